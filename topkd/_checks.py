@@ -1,0 +1,101 @@
+"""Argument checks, run before any work (and before any collective)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REDUCTIONS = ("none", "sum", "mean")
+NORMALIZE = ("full", "topk")
+
+
+def logits(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}"
+        )
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have a vocabulary dimension, got shape {tuple(x.shape)}")
+    if x.shape[-1] < 1:
+        raise ValueError(f"{name} has an empty vocabulary dimension: shape {tuple(x.shape)}")
+
+
+def integer(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be in {bound}, got {value}")
+    return value
+
+
+def temperature(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"temperature must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {value}")
+    return value
+
+
+def top_p(value, min_k) -> tuple[float | None, int]:
+    min_k = integer("top_p_min_k", min_k, 1)
+    if value is None:
+        return None, min_k
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"top_p must be a real number or None, got {value!r}")
+    value = float(value)
+    if not (0.0 < value <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
+    return value, min_k
+
+
+def choice(name: str, value, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def same_leading(name_a: str, a: torch.Size, name_b: str, b: torch.Size) -> None:
+    if tuple(a) != tuple(b):
+        raise ValueError(
+            f"{name_a} and {name_b} must have the same leading shape, got {tuple(a)} and {tuple(b)}"
+        )
+
+
+def mask(value, lead_shape: tuple[int, ...]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"mask must be a bool torch.Tensor or None, got {type(value).__name__}")
+    if value.dtype != torch.bool:
+        raise TypeError(f"mask must have dtype torch.bool, got {value.dtype}")
+    if tuple(value.shape) != tuple(lead_shape):
+        raise ValueError(
+            f"mask must have the logits' leading shape {tuple(lead_shape)}, got {tuple(value.shape)}"
+        )
+
+
+def vocab_size(value, *widths: tuple[str, int]) -> int:
+    """The vocabulary the distributions live on: ``value`` or the common width.
+
+    ``widths`` are ``(name, full width)`` pairs; without ``value`` they must agree, and with it,
+    ``value`` must fit inside each.
+    """
+    if value is None:
+        if len({w for _, w in widths}) > 1:
+            seen = ", ".join(f"{n} {w}" for n, w in widths)
+            raise ValueError(
+                f"vocabulary widths differ ({seen}); pass vocab_size= no larger than the "
+                f"smallest to use the common prefix"
+            )
+        return widths[0][1]
+    smallest = min(w for _, w in widths)
+    seen = ", ".join(f"{n} {w}" for n, w in widths)
+    return integer(f"vocab_size (vocabulary widths: {seen})", value, 1, smallest)

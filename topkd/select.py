@@ -1,0 +1,226 @@
+"""Teacher side: the top-K (and top-p) selection and its exact normalization.
+
+The teacher is a constant target, so everything here runs under ``torch.no_grad``. Its logits
+are read one chunk of rows at a time into a float32 work buffer; nothing of full size is made.
+Each rank keeps, per row, its local top-K under the order (value descending, index ascending)
+and the log-sum-exp of everything else it holds. Those two together partition the vocabulary,
+so the merged candidates give the exact normalizer, the global top-K and the ghost bucket with
+O(rows x K) communication and one pass over the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _checks, parallel
+from ._rows import Rows, chunk_rows, row_chunks
+
+# Index of a padding candidate (a rank whose shard is narrower than K): above every real index,
+# so the tie rule ranks it after every real entry, -inf ones included.
+_NO_INDEX = 2**62
+
+
+@dataclass
+class SparseTeacher:
+    """A teacher distribution kept as its top-K entries plus one exact ghost bucket.
+
+    Attributes:
+        indices: int64 ``[..., K]``, global vocabulary indices ordered by teacher probability
+            (descending, ties by lower index); ``-1`` marks an unused slot (dropped by top-p).
+        logprobs: float32 ``[..., K]``, ``log q`` of each entry, normalized over the whole
+            vocabulary at ``temperature``; ``-inf`` in unused slots.
+        rest_logprob: float32 ``[...]``, ``log q_g``: the log of the total probability of every
+            entry not kept, computed as a log-sum-exp over them (exact even when the kept entries
+            hold all but 1e-13 of the mass), ``-inf`` when nothing is left out.
+        temperature: the temperature the teacher was normalized at; the student is scaled by it.
+        vocab_size: the vocabulary the teacher was normalized over (padding excluded).
+    """
+
+    indices: torch.Tensor
+    logprobs: torch.Tensor
+    rest_logprob: torch.Tensor
+    temperature: float
+    vocab_size: int
+
+    @property
+    def k(self) -> int:
+        return self.indices.shape[-1]
+
+    def to(self, device) -> SparseTeacher:
+        return SparseTeacher(
+            self.indices.to(device), self.logprobs.to(device), self.rest_logprob.to(device),
+            self.temperature, self.vocab_size,
+        )
+
+
+def canonical_order(values: torch.Tensor, indices: torch.Tensor):
+    """Sort each row by value descending, ties by index ascending (the selection's order)."""
+    indices, order = indices.sort(dim=-1, stable=True)
+    values = values.gather(-1, order)
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    return values, indices.gather(-1, order)
+
+
+def topk_lowest_index(b: torch.Tensor, k: int):
+    """Top-``k`` of each row of ``b`` (float32 ``[r, V]``) in canonical order.
+
+    ``torch.topk`` picks arbitrarily among entries tied with the K-th value; this keeps the
+    lowest indices among them, so the result depends on the row alone.
+    """
+    values, indices = torch.topk(b, k, dim=-1, sorted=False)
+    values, indices = canonical_order(values, indices)
+    kth = values[:, -1:]
+    tied = b == kth
+    tie_count = tied.sum(-1)
+    above = (values > kth).sum(-1)
+    slots = k - above
+    short = tie_count > slots  # more tied entries than slots for them: choose the lowest indices
+    if bool(short.any()):
+        row, col = tied.nonzero(as_tuple=True)  # row-major: columns ascending within a row
+        first = torch.cumsum(tie_count, 0) - tie_count
+        rank = torch.arange(row.numel(), device=b.device) - first[row]
+        take = short[row] & (rank < slots[row])
+        row, col, rank = row[take], col[take], rank[take]
+        # Entries equal to the K-th value sit in positions above..k-1, already index-ascending.
+        indices[row, above[row] + rank] = col
+    return values, indices
+
+
+def _local_candidates(rows: Rows, k: int, temperature: float, valid: int, chunk_bytes):
+    """Per row of this shard's first ``valid`` columns: the top-k in canonical order (values,
+    local indices; at most ``valid`` of them) and the rest's log-sum-exp as (max, log-sum)."""
+    n, device = rows.count, rows.tensor.device
+    k_local = min(k, valid)
+    values = torch.empty(n, k_local, dtype=torch.float32, device=device)
+    indices = torch.empty(n, k_local, dtype=torch.int64, device=device)
+    rest_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=device)
+    rest_logsum = torch.full_like(rest_max, float("-inf"))
+    if valid == 0:
+        return values, indices, rest_max, rest_logsum
+    per = chunk_rows(chunk_bytes, valid, n, rows.tensor.element_size())
+    for start, stop in row_chunks(n, per):
+        b = rows.float_chunk(start, stop, valid)  # the chunk's one large buffer
+        if temperature != 1.0:
+            b.div_(temperature)
+        v, i = topk_lowest_index(b, k_local)
+        values[start:stop], indices[start:stop] = v, i
+        b.scatter_(1, i, float("-inf"))
+        m = b.amax(dim=-1)
+        rest_max[start:stop] = m
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        rest_logsum[start:stop] = b.sub_(m[:, None]).exp_().sum(-1).log_()
+    return values, indices, rest_max, rest_logsum
+
+
+@torch.no_grad()
+def select_topk(
+    teacher_logits: torch.Tensor,
+    k: int,
+    *,
+    top_p: float | None = None,
+    top_p_min_k: int = 1,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    process_group=None,
+    chunk_bytes: int | None = None,
+) -> SparseTeacher:
+    """Pick and normalize the teacher's top-K entries per row (no gradient).
+
+    Args:
+        teacher_logits: ``[..., V_r]`` float32/bfloat16/float16, contiguous or not; with
+            ``process_group``, this rank's contiguous vocabulary shard (ranks in group order).
+        k: entries kept per row, ``1 <= k <= vocabulary``. Ties at the K-th value go to the
+            lower vocabulary index, so the result is the same for every ``chunk_bytes`` and
+            tensor-parallel layout.
+        top_p: optionally keep, in probability order, entry ``r`` while the probability of the
+            entries before it is ``< top_p`` (or ``r < top_p_min_k``); the rest join the ghost.
+        temperature: logits are divided by it before the softmax.
+        vocab_size: the real vocabulary; columns at or past it (padding) are outside the
+            distribution. Defaults to the full (summed) width.
+        process_group: the tensor-parallel group for vocabulary-sharded logits, or ``None``.
+        chunk_bytes: size of the float32 work buffer per chunk of rows (default: the smaller of
+            64 MiB and 1/16 of the logits).
+
+    Returns:
+        A :class:`SparseTeacher` with leading shape ``[...]``, identical on every rank.
+        ``logprobs`` and ``rest_logprob`` are computed in float32 relative to the row maximum,
+        so adding a constant to a row changes nothing.
+    """
+    _checks.logits("teacher_logits", teacher_logits)
+    temperature = _checks.temperature(temperature)
+    top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
+    shapes = parallel.exchange_shapes(
+        process_group, [teacher_logits.shape[-1], teacher_logits.shape[:-1].numel()]
+    )
+    if len({s[1] for s in shapes}) > 1:
+        raise ValueError(f"teacher_logits rows differ across ranks: {[s[1] for s in shapes]}")
+    shard = parallel.shard_of([s[0] for s in shapes], parallel.rank_in(process_group))
+    vocab = _checks.vocab_size(vocab_size, ("teacher_logits", shard.total))
+    k = _checks.integer("k", k, 1, vocab)
+    return _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab, shard,
+                   process_group, chunk_bytes)
+
+
+@torch.no_grad()
+def _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab, shard, process_group,
+            chunk_bytes) -> SparseTeacher:
+    """:func:`select_topk` after validation, with this rank's shard known."""
+    rows = Rows(teacher_logits)
+    values, local_idx, rest_max, rest_logsum = _local_candidates(
+        rows, k, temperature, shard.valid(vocab), chunk_bytes
+    )
+    indices = local_idx + shard.offset
+    if values.shape[-1] < k:  # this shard is narrower than k: pad so every rank sends [n, k]
+        pad = k - values.shape[-1]
+        values = torch.cat([values, values.new_full((rows.count, pad), float("-inf"))], -1)
+        indices = torch.cat([indices, indices.new_full((rows.count, pad), _NO_INDEX)], -1)
+
+    if parallel.world_size(process_group) > 1:
+        # One all-gather: float64 holds the float32 values and the indices (< 2^53) exactly.
+        packed = torch.cat([values.double(), indices.double(), rest_max.double()[:, None],
+                            rest_logsum.double()[:, None]], -1)
+        packed = parallel.all_gather_cat(packed[:, None, :], process_group, dim=1)
+        values, indices = canonical_order(
+            packed[..., :k].float().flatten(1), packed[..., k:2 * k].long().flatten(1)
+        )
+        rest_max, rest_logsum = packed[..., 2 * k].float(), packed[..., 2 * k + 1].float()
+    else:
+        rest_max, rest_logsum = rest_max[:, None], rest_logsum[:, None]
+
+    # Everything relative to the row max, so a large common offset cancels exactly.
+    top = values[:, :1]
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    centered = values - top
+    rest = (rest_max - top) + rest_logsum  # [n, ranks]: log-sum-exp of what no rank proposed
+    log_norm = torch.logsumexp(torch.cat([centered, rest], -1), dim=-1, keepdim=True)
+    logprobs = centered[:, :k] - log_norm
+
+    keep = _top_p_keep(logprobs, top_p, top_p_min_k)
+    dropped = torch.ones_like(centered, dtype=torch.bool)
+    dropped[:, :k] = ~keep
+    ghost = torch.cat([centered.masked_fill(~dropped, float("-inf")), rest], -1)
+    rest_logprob = torch.logsumexp(ghost, dim=-1) - log_norm[:, 0]
+
+    lead = rows.lead_shape
+    return SparseTeacher(
+        indices=indices[:, :k].masked_fill(~keep, -1).reshape(*lead, k),
+        logprobs=logprobs.masked_fill(~keep, float("-inf")).reshape(*lead, k),
+        rest_logprob=rest_logprob.reshape(lead),
+        temperature=temperature,
+        vocab_size=vocab,
+    )
+
+
+def _top_p_keep(logprobs: torch.Tensor, top_p: float | None, min_k: int) -> torch.Tensor:
+    """Bool ``[n, K]``: entry r is kept when the mass before it is < top_p or r < min_k."""
+    keep = torch.ones_like(logprobs, dtype=torch.bool)
+    if top_p is None:
+        return keep
+    mass = logprobs.double().exp()
+    before = torch.cumsum(mass, dim=-1) - mass
+    before[:, 0] = 0.0
+    keep = before < top_p
+    keep[:, :min_k] = True
+    return keep
