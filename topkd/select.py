@@ -17,9 +17,9 @@ import torch
 from . import _checks, parallel
 from ._rows import Rows, chunk_rows, row_chunks
 
-# Index of a padding candidate (a rank whose shard is narrower than K): above every real index,
-# so the tie rule ranks it after every real entry, -inf ones included.
-_NO_INDEX = 2**62
+# Indices must stay below this for the packed sort key; it also marks a padding candidate (a rank
+# whose shard is narrower than K), which the tie rule then ranks after every real entry.
+_NO_INDEX = 2**31 - 1
 
 
 @dataclass
@@ -56,36 +56,73 @@ class SparseTeacher:
 
 
 def canonical_order(values: torch.Tensor, indices: torch.Tensor):
-    """Sort each row by value descending, ties by index ascending (the selection's order)."""
-    indices, order = indices.sort(dim=-1, stable=True)
-    values = values.gather(-1, order)
-    values, order = values.sort(dim=-1, descending=True, stable=True)
-    return values, indices.gather(-1, order)
+    """Sort each row by value descending, ties by index ascending (the selection's order).
+
+    One sort of an int64 key: the float32 value's bits mapped to an order-preserving int32 in
+    the high half, ``_NO_INDEX - index`` in the low half.
+    """
+    bits = (values + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0, which compare equal
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    order = ((ordered << 32) | (_NO_INDEX - indices)).argsort(dim=-1, descending=True)
+    return values.gather(-1, order), indices.gather(-1, order)
 
 
 def topk_lowest_index(b: torch.Tensor, k: int):
-    """Top-``k`` of each row of ``b`` (float32 ``[r, V]``) in canonical order.
+    """Top-``k`` of each row of ``b`` (float32 ``[r, V]``) in canonical order: value
+    descending, ties (the K-th value's included) to the lower index, so the result depends on
+    the row alone.
 
-    ``torch.topk`` picks arbitrarily among entries tied with the K-th value; this keeps the
-    lowest indices among them, so the result depends on the row alone.
+    When ``k`` is small next to the row, a threshold from a strided sample of the row cuts it to
+    about 1.25 k candidates, which hold every entry at or above the K-th value (checked by their
+    count); sorting those is the whole selection, ties included. Chunks where the sample misleads
+    take the exact path instead.
     """
-    values, indices = torch.topk(b, k, dim=-1, sorted=False)
+    n, width = b.shape
+    stride = min(16, width // (8 * k))
+    if stride < 2:
+        return _topk_ties_fixed(b, k)
+    sample = b[:, ::stride]
+    keep = min(sample.shape[1], -(-k // stride) * 5 // 4 + 16)
+    threshold = torch.topk(sample, keep, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    row, col = (b >= threshold).nonzero(as_tuple=True)  # row-major
+    count = torch.bincount(row, minlength=n)
+    if not bool(((count >= k) & (count <= 4 * k)).all()):
+        return _topk_ties_fixed(b, k)
+    position = torch.arange(row.numel(), device=b.device) - (torch.cumsum(count, 0) - count)[row]
+    columns = int(count.max())
+    values = b.new_full((n, columns), float("-inf"))
+    indices = torch.full((n, columns), _NO_INDEX, dtype=torch.int64, device=b.device)
+    values[row, position] = b[row, col]
+    indices[row, position] = col
     values, indices = canonical_order(values, indices)
-    kth = values[:, -1:]
-    tied = b == kth
-    tie_count = tied.sum(-1)
-    above = (values > kth).sum(-1)
-    slots = k - above
-    short = tie_count > slots  # more tied entries than slots for them: choose the lowest indices
-    if bool(short.any()):
-        row, col = tied.nonzero(as_tuple=True)  # row-major: columns ascending within a row
-        first = torch.cumsum(tie_count, 0) - tie_count
-        rank = torch.arange(row.numel(), device=b.device) - first[row]
-        take = short[row] & (rank < slots[row])
-        row, col, rank = row[take], col[take], rank[take]
-        # Entries equal to the K-th value sit in positions above..k-1, already index-ascending.
-        indices[row, above[row] + rank] = col
-    return values, indices
+    return values[:, :k], indices[:, :k]
+
+
+def _topk_ties_fixed(b: torch.Tensor, k: int):
+    """:func:`topk_lowest_index` by ``torch.topk``, refilling tied K-th values where needed.
+
+    Taking one extra entry shows which rows have a tie across the K-th place; only then is the
+    chunk scanned for the tied positions.
+    """
+    width = b.shape[-1]
+    values, indices = torch.topk(b, min(k + 1, width), dim=-1, sorted=True)
+    if k < width:
+        straddle = values[:, k] == values[:, k - 1]
+        values, indices = values[:, :k], indices[:, :k]
+        if bool(straddle.any()):
+            kth = values[:, -1:]
+            above = (values > kth).sum(-1)
+            row, col = (b == kth).nonzero(as_tuple=True)  # row-major: columns ascending
+            count = torch.bincount(row, minlength=b.shape[0])
+            rank = torch.arange(row.numel(), device=b.device) - (torch.cumsum(count, 0) - count)[row]
+            # The sorted top-k holds the K-th value in positions above..k-1: refill them with
+            # the lowest tied indices (the others go to a spare column, dropped).
+            slot = above[row] + rank
+            slot = torch.where(straddle[row] & (slot < k), slot, k)
+            spare = torch.cat([indices, indices[:, :1]], -1)
+            spare[row, slot] = col
+            indices = spare[:, :k]
+    return canonical_order(values, indices)
 
 
 def _local_candidates(rows: Rows, k: int, temperature: float, valid: int, chunk_bytes):
