@@ -48,15 +48,20 @@ class Rows:
         return out
 
 
-def chunk_rows(chunk_bytes: int | None, width: int, rows: int, element_bytes: int) -> int:
-    """Rows per chunk so that one float32 work buffer of ``width`` columns fits ``chunk_bytes``.
-
-    With ``chunk_bytes=None`` the budget is ``min(64 MiB, logits bytes / 16)``, where the
-    logits take ``rows * width * element_bytes``. Always at least one row.
-    """
+def budget_bytes(chunk_bytes: int | None, rows: int, width: int, element_bytes: int) -> int:
+    """``chunk_bytes``, or by default ``min(64 MiB, logits bytes / 16)`` for logits of
+    ``rows x width`` elements of ``element_bytes`` each."""
     if chunk_bytes is None:
-        chunk_bytes = min(DEFAULT_CHUNK_BYTES, rows * width * element_bytes // _DEFAULT_FRACTION)
-    return max(1, int(chunk_bytes) // (4 * max(width, 1)))
+        return min(DEFAULT_CHUNK_BYTES, rows * width * element_bytes // _DEFAULT_FRACTION)
+    return int(chunk_bytes)
+
+
+def chunk_rows(chunk_bytes: int | None, width: int, rows: int, element_bytes: int,
+               buffers: int = 1) -> int:
+    """Rows per chunk so that ``buffers`` float32 work buffers of ``width`` columns fit in
+    the budget (:func:`budget_bytes`) together. Always at least one row."""
+    budget = budget_bytes(chunk_bytes, rows, width, element_bytes)
+    return max(1, budget // (4 * max(width, 1) * buffers))
 
 
 def row_chunks(rows: int, per_chunk: int):

@@ -44,7 +44,7 @@ class DenseKL(torch.autograd.Function):
         # Columns of stats: student max, teacher max, student sum, teacher sum, weighted sum.
         stats = torch.zeros(n, 5, dtype=torch.float32, device=device)
         stats[:, :2] = float("-inf")
-        per = chunk_rows(chunk_bytes, 3 * valid, n, student.element_size())
+        per = chunk_rows(chunk_bytes, valid, n, student.element_size(), buffers=3)
         for start, stop in row_chunks(n if valid else 0, per):
             a, b = _centered_chunks(s_rows, t_rows, start, stop, valid, temperature)
             a_max, b_max = a.amax(-1), b.amax(-1)
@@ -58,6 +58,7 @@ class DenseKL(torch.autograd.Function):
             weighted = torch.nansum(w.mul_(diff), -1)
             a_sum, b_sum = (w_sum, o_sum) if reverse else (o_sum, w_sum)
             stats[start:stop] = torch.stack([a_max, b_max, a_sum, b_sum, weighted], -1)
+            del a, b, w, o, diff  # free this chunk's buffers before the next is allocated
 
         local_max = stats[:, :2]
         global_max = _finite_or_zero(parallel.all_reduce_max_(local_max.clone(), group))
@@ -87,7 +88,7 @@ class DenseKL(torch.autograd.Function):
         a_coef = grad_loss / (a_sum * temperature)
         b_coef = grad_loss / (b_sum * temperature)
         log_ratio_shift = b_sum.log() - a_sum.log() - loss
-        per = chunk_rows(chunk_bytes, 2 * valid, s_rows.count, student.element_size())
+        per = chunk_rows(chunk_bytes, valid, s_rows.count, student.element_size(), buffers=2)
         for start, stop in row_chunks(s_rows.count if valid else 0, per):
             a, b = _centered_chunks(s_rows, t_rows, start, stop, valid, temperature)
             a.sub_(global_max[start:stop, :1])
@@ -100,4 +101,5 @@ class DenseKL(torch.autograd.Function):
                 a.exp_().mul_(a_coef[start:stop, None])
                 a.sub_(b.exp_().mul_(b_coef[start:stop, None]))
             grad_rows[start:stop, :valid].copy_(a)
+            del a, b
         return grad, None, None, None, None, None, None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks, parallel
-from ._rows import Rows, chunk_rows, row_chunks
+from ._rows import Rows, budget_bytes, chunk_rows, row_chunks
 
 # Indices must stay below this for the packed sort key; it also marks a padding candidate (a rank
 # whose shard is narrower than K), which the tie rule then ranks after every real entry.
@@ -148,6 +148,7 @@ def _local_candidates(rows: Rows, k: int, temperature: float, valid: int, chunk_
         rest_max[start:stop] = m
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         rest_logsum[start:stop] = b.sub_(m[:, None]).exp_().sum(-1).log_()
+        del b  # free this chunk's buffer before the next is allocated
     return values, indices, rest_max, rest_logsum
 
 
@@ -214,15 +215,44 @@ def _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab, shard, pr
         values = torch.cat([values, values.new_full((rows.count, pad), float("-inf"))], -1)
         indices = torch.cat([indices, indices.new_full((rows.count, pad), _NO_INDEX)], -1)
 
-    if parallel.world_size(process_group) > 1:
-        # One all-gather: float64 holds the float32 values and the indices (< 2^53) exactly.
-        packed = torch.cat([values.double(), indices.double(), rest_max.double()[:, None],
-                            rest_logsum.double()[:, None]], -1)
-        packed = parallel.all_gather_cat(packed[:, None, :], process_group, dim=1)
+    n, ranks = rows.count, parallel.world_size(process_group)
+    out_indices = torch.empty(n, k, dtype=torch.int64, device=values.device)
+    out_logprobs = torch.empty(n, k, dtype=torch.float32, device=values.device)
+    out_rest = torch.empty(n, dtype=torch.float32, device=values.device)
+    # Merge in row blocks so the gathered candidates ([block, ranks * K]) stay within budget.
+    budget = budget_bytes(chunk_bytes, n, rows.width, teacher_logits.element_size())
+    per = max(1, budget // (24 * ranks * k))
+    for start, stop in row_chunks(n, per):
+        block = _merge(values[start:stop], indices[start:stop], rest_max[start:stop],
+                       rest_logsum[start:stop], k, top_p, top_p_min_k, process_group)
+        out_indices[start:stop], out_logprobs[start:stop], out_rest[start:stop] = block
+
+    lead = rows.lead_shape
+    return SparseTeacher(
+        indices=out_indices.reshape(*lead, k),
+        logprobs=out_logprobs.reshape(*lead, k),
+        rest_logprob=out_rest.reshape(lead),
+        temperature=temperature,
+        vocab_size=vocab,
+    )
+
+
+def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group):
+    """Global top-K, normalizer, top-p and ghost for a block of rows from every rank's local
+    candidates (``values``/``indices`` ``[b, K]``, the rest's ``(max, log-sum)`` ``[b]``).
+
+    Returns ``(indices, logprobs, rest_logprob)`` for the block, identical on every rank.
+    """
+    if parallel.world_size(group) > 1:
+        # One all-gather; int32 indices travel bit-cast inside the float32 tensor, exactly.
+        packed = torch.cat([values, indices.int().view(torch.float32),
+                            rest_max[:, None], rest_logsum[:, None]], -1)
+        packed = parallel.all_gather_cat(packed[:, None, :], group, dim=1)  # [b, ranks, 2K+2]
         values, indices = canonical_order(
-            packed[..., :k].float().flatten(1), packed[..., k:2 * k].long().flatten(1)
+            packed[..., :k].flatten(1),
+            packed[..., k:2 * k].contiguous().view(torch.int32).long().flatten(1),
         )
-        rest_max, rest_logsum = packed[..., 2 * k].float(), packed[..., 2 * k + 1].float()
+        rest_max, rest_logsum = packed[..., 2 * k], packed[..., 2 * k + 1]
     else:
         rest_max, rest_logsum = rest_max[:, None], rest_logsum[:, None]
 
@@ -230,7 +260,7 @@ def _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab, shard, pr
     top = values[:, :1]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     centered = values - top
-    rest = (rest_max - top) + rest_logsum  # [n, ranks]: log-sum-exp of what no rank proposed
+    rest = (rest_max - top) + rest_logsum  # [b, ranks]: log-sum-exp of what no rank proposed
     log_norm = torch.logsumexp(torch.cat([centered, rest], -1), dim=-1, keepdim=True)
     logprobs = centered[:, :k] - log_norm
 
@@ -239,15 +269,8 @@ def _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab, shard, pr
     dropped[:, :k] = ~keep
     ghost = torch.cat([centered.masked_fill(~dropped, float("-inf")), rest], -1)
     rest_logprob = torch.logsumexp(ghost, dim=-1) - log_norm[:, 0]
-
-    lead = rows.lead_shape
-    return SparseTeacher(
-        indices=indices[:, :k].masked_fill(~keep, -1).reshape(*lead, k),
-        logprobs=logprobs.masked_fill(~keep, float("-inf")).reshape(*lead, k),
-        rest_logprob=rest_logprob.reshape(lead),
-        temperature=temperature,
-        vocab_size=vocab,
-    )
+    return (indices[:, :k].masked_fill(~keep, -1), logprobs.masked_fill(~keep, float("-inf")),
+            rest_logprob)
 
 
 def _top_p_keep(logprobs: torch.Tensor, top_p: float | None, min_k: int) -> torch.Tensor:

@@ -67,6 +67,7 @@ class SparseStudentLogProbs(torch.autograd.Function):
             m = a.amax(dim=-1)
             rest_max[start:stop] = m
             rest_sum[start:stop] = a.sub_(_finite_or_zero(m)[:, None]).exp_().sum(-1)
+            del a  # free this chunk's buffer before the next is allocated
 
         # Global statistics: the selected values live on one rank each (-inf elsewhere).
         maxes = parallel.all_reduce_max_(torch.cat([selected, rest_max[:, None]], -1), group)
@@ -82,7 +83,8 @@ class SparseStudentLogProbs(torch.autograd.Function):
         logp_sel = (selected - row_max[:, None]) - log_total[:, None]
         logp_rest = (rest_max - row_max) + rest_sum.log() - log_total
 
-        ctx.save_for_backward(logits, columns, selected, row_max, total, rest_max, rest_sum)
+        # int32 halves the saved [n, K] indices (scatter wants int64: converted per chunk).
+        ctx.save_for_backward(logits, columns.int(), selected, row_max, total, rest_max, rest_sum)
         ctx.config = (temperature, valid, chunk_bytes)
         return logp_sel, logp_rest
 
@@ -98,8 +100,7 @@ class SparseStudentLogProbs(torch.autograd.Function):
         ghost_coef = grad_norm * torch.exp(rest_max - row_max) / total
         ghost_coef = ghost_coef + torch.where(has_rest, grad_rest / rest_sum.clamp_min(1e-38), 0.0)
         ghost_coef = torch.where(has_rest, ghost_coef, 0.0) / temperature
-        kept = (grad_norm[:, None] * torch.exp(selected - row_max[:, None]) / total[:, None]
-                + grad_sel) / temperature
+        kept_coef = grad_norm / total
         rest_max = _finite_or_zero(rest_max)
 
         rows = Rows(logits)
@@ -112,6 +113,9 @@ class SparseStudentLogProbs(torch.autograd.Function):
             if temperature != 1.0:
                 a.div_(temperature)
             a.sub_(rest_max[start:stop, None]).exp_().mul_(ghost_coef[start:stop, None])
-            a.scatter_(1, columns[start:stop], kept[start:stop])
+            kept = torch.exp(selected[start:stop] - row_max[start:stop, None])
+            kept.mul_(kept_coef[start:stop, None]).add_(grad_sel[start:stop]).div_(temperature)
+            a.scatter_(1, columns[start:stop].long(), kept)
             grad_rows[start:stop, :valid].copy_(a[:, :valid])
+            del a
         return grad, None, None, None, None, None, None
