@@ -99,3 +99,7 @@ def vocab_size(value, *widths: tuple[str, int]) -> int:
     smallest = min(w for _, w in widths)
     seen = ", ".join(f"{n} {w}" for n, w in widths)
     return integer(f"vocab_size (vocabulary widths: {seen})", value, 1, smallest)
+
+
+def chunk_bytes(value) -> int | None:
+    return None if value is None else integer("chunk_bytes", value, 1)

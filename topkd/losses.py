@@ -40,8 +40,9 @@ def _reduce(loss: torch.Tensor, mask, reduction: str, lead_shape) -> torch.Tenso
     return total / max(kept, 1)
 
 
-def _common_checks(student_logits, mask, reduction):
+def _common_checks(student_logits, mask, reduction, chunk_bytes):
     _checks.logits("student_logits", student_logits)
+    _checks.chunk_bytes(chunk_bytes)
     _checks.choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.mask(mask, student_logits.shape[:-1])
 
@@ -94,7 +95,7 @@ def sparse_kl_loss(
         the student's dtype and shape; all vocabulary sums are computed in float32 relative to
         row maxima, so the result is exact to float32 rounding and unchanged by a common offset.
     """
-    _common_checks(student_logits, mask, reduction)
+    _common_checks(student_logits, mask, reduction, chunk_bytes)
     if not isinstance(teacher, SparseTeacher):
         raise TypeError(f"teacher must be a topkd.SparseTeacher, got {type(teacher).__name__}")
     _checks.choice("normalize", normalize, _checks.NORMALIZE)
@@ -138,7 +139,7 @@ def topk_kl_loss(
     :func:`select_topk`; ``teacher_logits`` has the student's leading shape and gets no
     gradient. No ``T**2`` factor.
     """
-    _common_checks(student_logits, mask, reduction)
+    _common_checks(student_logits, mask, reduction, chunk_bytes)
     _checks.logits("teacher_logits", teacher_logits)
     _checks.same_leading("student_logits", student_logits.shape[:-1],
                          "teacher_logits", teacher_logits.shape[:-1])
@@ -184,7 +185,7 @@ def kl_loss(
         and shape, the teacher gets none. Computed per chunk of rows in float32 relative to row
         maxima: exact to float32 rounding, never a float32 copy of either logits tensor.
     """
-    _common_checks(student_logits, mask, reduction)
+    _common_checks(student_logits, mask, reduction, chunk_bytes)
     _checks.logits("teacher_logits", teacher_logits)
     _checks.same_leading("student_logits", student_logits.shape[:-1],
                          "teacher_logits", teacher_logits.shape[:-1])
@@ -215,6 +216,8 @@ def _check_options(options: dict, allowed: set[str]) -> None:
         _checks.temperature(options["temperature"])
     if "top_p" in options or "top_p_min_k" in options:
         _checks.top_p(options.get("top_p"), options.get("top_p_min_k", 1))
+    if "chunk_bytes" in options:
+        _checks.chunk_bytes(options["chunk_bytes"])
     if "reduction" in options:
         _checks.choice("reduction", options["reduction"], _checks.REDUCTIONS)
     if "normalize" in options:

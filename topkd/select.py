@@ -78,6 +78,8 @@ def topk_lowest_index(b: torch.Tensor, k: int):
     take the exact path instead.
     """
     n, width = b.shape
+    if k >= width:
+        return canonical_order(b, torch.arange(width, device=b.device).expand_as(b))
     stride = min(16, width // (8 * k))
     if stride < 2:
         return _topk_ties_fixed(b, k)
@@ -136,15 +138,24 @@ def _local_candidates(rows: Rows, k: int, temperature: float, valid: int, chunk_
     rest_logsum = torch.full_like(rest_max, float("-inf"))
     if valid == 0:
         return values, indices, rest_max, rest_logsum
-    per = chunk_rows(chunk_bytes, valid, n, rows.tensor.element_size())
+    # The teacher's selection runs before the student's backward allocates the gradient, so it
+    # can afford larger chunks than the student's loop.
+    per = chunk_rows(4 * budget_bytes(chunk_bytes, n, valid, rows.tensor.element_size()),
+                     valid, n, 4)
     for start, stop in row_chunks(n, per):
         b = rows.float_chunk(start, stop, valid)  # the chunk's one large buffer
         if temperature != 1.0:
             b.div_(temperature)
-        v, i = topk_lowest_index(b, k_local)
+        if k_local < valid:
+            # One entry more than kept: the (k+1)-th largest is the maximum of the rest.
+            v, i = topk_lowest_index(b, k_local + 1)
+            m = v[:, k_local]
+            v, i = v[:, :k_local], i[:, :k_local]
+        else:
+            v, i = topk_lowest_index(b, k_local)
+            m = torch.full_like(v[:, 0], float("-inf"))
         values[start:stop], indices[start:stop] = v, i
         b.scatter_(1, i, float("-inf"))
-        m = b.amax(dim=-1)
         rest_max[start:stop] = m
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         rest_logsum[start:stop] = b.sub_(m[:, None]).exp_().sum(-1).log_()
@@ -189,6 +200,7 @@ def select_topk(
     _checks.logits("teacher_logits", teacher_logits)
     temperature = _checks.temperature(temperature)
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
+    chunk_bytes = _checks.chunk_bytes(chunk_bytes)
     shapes = parallel.exchange_shapes(
         process_group, [teacher_logits.shape[-1], teacher_logits.shape[:-1].numel()]
     )
