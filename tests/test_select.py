@@ -1,0 +1,154 @@
+"""select_topk: selection, tie rule, top-p, ghost mass, fields, against the float64 reference."""
+
+import pytest
+import reference as ref
+import torch
+from helpers import assert_teacher_matches, logits
+
+import topkd
+
+V = 600
+
+
+@pytest.mark.parametrize("k", [1, 8, 300, V])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
+def test_select_matches_reference(k, temperature):
+    t = logits(3, 5, V, scale=3.0)
+    st = topkd.select_topk(t, k, temperature=temperature)
+    assert isinstance(st, topkd.SparseTeacher)
+    r = ref.select(t, k, temperature=temperature)
+    assert_teacher_matches(st, r, k=k, vocab_size=V, temperature=temperature)
+    if k == V:
+        # nothing left outside S: q_g = 0
+        assert torch.all(st.rest_logprob == float("-inf"))
+
+
+@pytest.mark.parametrize("top_p,min_k", [(0.5, 1), (0.9, 1), (0.3, 6), (1e-6, 1), (1e-6, 4)])
+def test_select_top_p(top_p, min_k):
+    k = 40
+    t = logits(16, V, scale=2.5, seed=1)
+    r = ref.select(t, k, top_p=top_p, top_p_min_k=min_k)
+    assert ref.top_p_margin(r, top_p, min_k) > 1e-5, "test input too close to a boundary"
+    kept = (r["indices"] >= 0).sum(-1)
+    assert kept.min() >= min_k
+    assert kept.max() < k or top_p >= 0.9, "top-p should drop entries in this case"
+    st = topkd.select_topk(t, k, top_p=top_p, top_p_min_k=min_k)
+    assert_teacher_matches(st, r, k=k, vocab_size=V, temperature=1.0)
+    # kept entries form a prefix; dropped slots are -1 / -inf
+    idx = st.indices
+    for row in range(idx.shape[0]):
+        n = int((idx[row] >= 0).sum())
+        assert torch.all(idx[row, :n] >= 0) and torch.all(idx[row, n:] == -1)
+        assert torch.all(st.logprobs[row, n:] == float("-inf"))
+
+
+def test_select_top_p_mass_goes_to_ghost():
+    t = logits(8, V, scale=4.0, seed=2)
+    k = 30
+    full = topkd.select_topk(t, k)
+    tp = topkd.select_topk(t, k, top_p=0.5)
+    # total mass is conserved: kept + ghost = 1 for both
+    for st in (full, tp):
+        lp = torch.cat([st.logprobs.double(), st.rest_logprob.double().unsqueeze(-1)], -1)
+        torch.testing.assert_close(torch.logsumexp(lp, -1), torch.zeros(8, dtype=torch.float64),
+                                   atol=2e-6, rtol=0)
+    assert torch.all(tp.rest_logprob >= full.rest_logprob)
+
+
+def test_select_order_and_ties_to_lower_index():
+    # integer-valued logits: many exact ties
+    t = torch.randint(-3, 4, (10, 50)).float()
+    for k in (1, 5, 17, 50):
+        st = topkd.select_topk(t, k)
+        r = ref.select(t, k)
+        assert torch.equal(st.indices, r["indices"])
+        # descending log-probs, ties by ascending index
+        lp = st.logprobs
+        assert torch.all(lp[:, 1:] <= lp[:, :-1])
+        same = lp[:, 1:] == lp[:, :-1]
+        assert torch.all(st.indices[:, 1:][same] > st.indices[:, :-1][same])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_select_low_precision_with_ties(dtype):
+    t = (torch.randn(12, 300) * 2).to(dtype)  # bf16: many exact ties
+    k = 64
+    st = topkd.select_topk(t, k, top_p=0.7, top_p_min_k=2)
+    r = ref.select(t, k, top_p=0.7, top_p_min_k=2)
+    assert ref.top_p_margin(r, 0.7, 2) > 1e-5
+    assert_teacher_matches(st, r, k=k, vocab_size=300, temperature=1.0)
+
+
+def test_select_rows_are_independent_bitwise():
+    # S depends on the row alone: same result whatever batch it sits in
+    t = torch.randint(-20, 20, (9, 257)).to(torch.bfloat16) / 4
+    st = topkd.select_topk(t, 33, top_p=0.8)
+    for i in range(t.shape[0]):
+        one = topkd.select_topk(t[i:i + 1], 33, top_p=0.8)
+        assert torch.equal(one.indices[0], st.indices[i])
+        assert torch.equal(one.logprobs[0], st.logprobs[i])
+        assert torch.equal(one.rest_logprob[0], st.rest_logprob[i])
+
+
+def test_select_vocab_size_padding():
+    w, v = 128, 100
+    t = logits(4, w)
+    t[:, v:] = 50.0  # padding columns would win every selection if they were looked at
+    st = topkd.select_topk(t, 10, vocab_size=v)
+    r = ref.select(t, 10, vocab_size=v)
+    assert_teacher_matches(st, r, k=10, vocab_size=v, temperature=1.0)
+    assert torch.all(st.indices < v)
+
+
+def test_select_noncontiguous_and_leading_shape():
+    base = logits(4, 3, V)
+    t = base.transpose(0, 1)  # [3, 4, V], not contiguous
+    assert not t.is_contiguous()
+    st = topkd.select_topk(t, 7, temperature=1.5)
+    r = ref.select(t, 7, temperature=1.5)
+    assert_teacher_matches(st, r, k=7, vocab_size=V, temperature=1.5)
+    st2 = topkd.select_topk(t.contiguous(), 7, temperature=1.5)
+    assert torch.equal(st.indices, st2.indices)
+    assert torch.equal(st.logprobs, st2.logprobs)
+
+
+def test_select_no_grad():
+    t = logits(3, V).requires_grad_(True)
+    st = topkd.select_topk(t, 5)
+    assert not st.logprobs.requires_grad
+    assert not st.rest_logprob.requires_grad
+
+
+def test_select_neg_inf_entries():
+    t = logits(6, 64)
+    t[:, 20:] = float("-inf")
+    t[0, :] = float("-inf")
+    t[0, 3] = 1.0  # a one-hot teacher row
+    for k in (10, 20, 30, 64):
+        st = topkd.select_topk(t, k)
+        r = ref.select(t, k)
+        assert_teacher_matches(st, r, k=k, vocab_size=64, temperature=1.0)
+        assert not torch.isnan(st.logprobs).any() and not torch.isnan(st.rest_logprob).any()
+
+
+def test_select_peaky_ghost_exact():
+    # top-K hold all but ~1e-13 of the mass: log q_g ~ -30 must stay exact.
+    # (1 - sum(q) in float32 is rounding noise, so log1p(-sum) gives ~-16 or -inf.)
+    n, v, k = 8, 1000, 16
+    t = torch.full((n, v), -34.0)
+    t[:, :k] = torch.rand(n, k)  # the top-K, within [0, 1)
+    t[:, k:] += torch.rand(n, v - k)  # the tail, ~1e-13 in total
+    st = topkd.select_topk(t, k)
+    r = ref.select(t, k)
+    assert float(r["rest_logprob"].max()) < -25
+    assert_teacher_matches(st, r, k=k, vocab_size=v, temperature=1.0, rest_rtol=1e-6)
+
+
+def test_select_offset_invariant():
+    # exactly representable: multiples of 1/8 in [-8, 8] plus 2**20
+    t = torch.randint(-64, 65, (6, 200)).float() / 8
+    a = topkd.select_topk(t, 12, top_p=0.95)
+    b = topkd.select_topk(t + 2.0 ** 20, 12, top_p=0.95)
+    assert torch.equal(a.indices, b.indices)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(a.rest_logprob, b.rest_logprob, rtol=0, atol=1e-6)

@@ -1,0 +1,246 @@
+"""Every bad input raises ValueError / TypeError naming the argument, before any work."""
+
+import math
+
+import pytest
+import torch
+
+import topkd
+
+V = 96
+ERR = (ValueError, TypeError)
+
+
+def _st():
+    return torch.randn(4, V), torch.randn(4, V)
+
+
+def _calls(s, t, **kw):
+    """Every public entry point that takes (student, teacher) logits, with the same options."""
+    k = kw.pop("k", 8)
+    topk_kw = kw
+    yield "topk_kl_loss", lambda: topkd.topk_kl_loss(s, t, k, **topk_kw)
+    yield "TopKLogitsKLLoss", lambda: topkd.TopKLogitsKLLoss(k, **topk_kw)(s, t)
+
+
+# ---------------------------------------------------------------- vocabulary widths
+
+
+def test_width_mismatch_names_both_widths():
+    s = torch.randn(3, 96)
+    t = torch.randn(3, 128)
+    for f in (lambda: topkd.topk_kl_loss(s, t, 4), lambda: topkd.kl_loss(s, t),
+              lambda: topkd.topk_kl_loss(t, s, 4), lambda: topkd.kl_loss(t, s),
+              lambda: topkd.TopKLogitsKLLoss(4)(s, t), lambda: topkd.LogitsKLLoss()(s, t)):
+        with pytest.raises(ValueError) as e:
+            f()
+        assert "96" in str(e.value) and "128" in str(e.value), str(e.value)
+
+
+def test_width_mismatch_vocab_size_must_fit_inside_both():
+    s = torch.randn(3, 96)
+    t = torch.randn(3, 128)
+    # fits inside both: fine
+    topkd.topk_kl_loss(s, t, 4, vocab_size=90)
+    topkd.kl_loss(s, t, vocab_size=96)
+    # does not fit inside the student
+    with pytest.raises(ValueError, match="vocab_size"):
+        topkd.topk_kl_loss(s, t, 4, vocab_size=100)
+    with pytest.raises(ValueError, match="vocab_size"):
+        topkd.kl_loss(s, t, vocab_size=128)
+
+
+@pytest.mark.parametrize("bad", [0, -1, V + 1])
+def test_vocab_size_out_of_range(bad):
+    s, t = _st()
+    with pytest.raises(ERR, match="vocab_size"):
+        topkd.topk_kl_loss(s, t, 1, vocab_size=bad)
+    with pytest.raises(ERR, match="vocab_size"):
+        topkd.kl_loss(s, t, vocab_size=bad)
+    with pytest.raises(ERR, match="vocab_size"):
+        topkd.select_topk(t, 1, vocab_size=bad)
+
+
+def test_sparse_teacher_vocab_mismatch():
+    st = topkd.select_topk(torch.randn(3, 128), 4)
+    assert st.vocab_size == 128
+    with pytest.raises(ValueError) as e:
+        topkd.sparse_kl_loss(torch.randn(3, 96), st)
+    assert "96" in str(e.value) and "128" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="vocab_size"):
+        topkd.sparse_kl_loss(torch.randn(3, 128), st, vocab_size=120)
+    # a padded student with vocab_size equal to the teacher's is fine
+    topkd.sparse_kl_loss(torch.randn(3, 136), st, vocab_size=128)
+    st2 = topkd.select_topk(torch.randn(3, 128), 4, vocab_size=100)
+    assert st2.vocab_size == 100
+    with pytest.raises(ValueError):
+        topkd.sparse_kl_loss(torch.randn(3, 128), st2)  # student width 128 != 100
+    topkd.sparse_kl_loss(torch.randn(3, 128), st2, vocab_size=100)
+
+
+def test_sparse_teacher_leading_shape_mismatch():
+    st = topkd.select_topk(torch.randn(3, 4, V), 4)
+    with pytest.raises(ValueError, match="(?i)shape"):
+        topkd.sparse_kl_loss(torch.randn(4, 3, V), st)
+
+
+# ---------------------------------------------------------------- k, top_p, top_p_min_k
+
+
+@pytest.mark.parametrize("k", [0, -3, V + 1])
+def test_k_out_of_range(k):
+    s, t = _st()
+    for f in (lambda: topkd.topk_kl_loss(s, t, k), lambda: topkd.select_topk(t, k),
+              lambda: topkd.TopKLogitsKLLoss(k)(s, t)):
+        with pytest.raises(ValueError, match=r"\bk\b"):
+            f()
+
+
+def test_k_past_vocab_size():
+    s, t = _st()
+    with pytest.raises(ValueError, match=r"\bk\b"):
+        topkd.topk_kl_loss(s, t, 91, vocab_size=90)
+    with pytest.raises(ValueError, match=r"\bk\b"):
+        topkd.select_topk(t, 91, vocab_size=90)
+    topkd.topk_kl_loss(s, t, 90, vocab_size=90)
+
+
+@pytest.mark.parametrize("k", [2.0, "3", None, True])
+def test_k_wrong_type(k):
+    s, t = _st()
+    with pytest.raises(ERR, match=r"\bk\b"):
+        topkd.topk_kl_loss(s, t, k)
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.0001, 2.0, math.nan, math.inf])
+def test_top_p_out_of_range(top_p):
+    s, t = _st()
+    for f in (lambda: topkd.topk_kl_loss(s, t, 4, top_p=top_p),
+              lambda: topkd.select_topk(t, 4, top_p=top_p),
+              lambda: topkd.TopKLogitsKLLoss(4, top_p=top_p)(s, t)):
+        with pytest.raises(ValueError, match="top_p"):
+            f()
+
+
+def test_top_p_edges_accepted():
+    s, t = _st()
+    assert torch.isfinite(topkd.topk_kl_loss(s, t, 4, top_p=1.0)).all()
+    assert torch.isfinite(topkd.topk_kl_loss(s, t, 4, top_p=1e-9)).all()
+
+
+@pytest.mark.parametrize("min_k", [0, -1])
+def test_top_p_min_k_below_one(min_k):
+    s, t = _st()
+    for f in (lambda: topkd.topk_kl_loss(s, t, 4, top_p=0.5, top_p_min_k=min_k),
+              lambda: topkd.select_topk(t, 4, top_p=0.5, top_p_min_k=min_k)):
+        with pytest.raises(ValueError, match="top_p_min_k"):
+            f()
+
+
+# ---------------------------------------------------------------- temperature
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, math.nan, math.inf, -math.inf])
+def test_bad_temperature(temperature):
+    s, t = _st()
+    for f in (lambda: topkd.topk_kl_loss(s, t, 4, temperature=temperature),
+              lambda: topkd.kl_loss(s, t, temperature=temperature),
+              lambda: topkd.select_topk(t, 4, temperature=temperature),
+              lambda: topkd.LogitsKLLoss(temperature=temperature)(s, t),
+              lambda: topkd.TopKLogitsKLLoss(4, temperature=temperature)(s, t)):
+        with pytest.raises(ValueError, match="temperature"):
+            f()
+
+
+# ---------------------------------------------------------------- shapes and dtypes
+
+
+def test_leading_shape_mismatch():
+    s = torch.randn(2, 3, V)
+    for t in (torch.randn(3, 2, V), torch.randn(6, V), torch.randn(2, 4, V)):
+        with pytest.raises(ValueError, match="(?i)shape"):
+            topkd.topk_kl_loss(s, t, 4)
+        with pytest.raises(ValueError, match="(?i)shape"):
+            topkd.kl_loss(s, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.float64])
+def test_bad_logits_dtype(dtype):
+    good = torch.randn(3, V)
+    bad = (torch.randn(3, V) * 5).to(dtype)
+    for f in (lambda: topkd.topk_kl_loss(bad, good, 4), lambda: topkd.topk_kl_loss(good, bad, 4),
+              lambda: topkd.kl_loss(bad, good), lambda: topkd.kl_loss(good, bad),
+              lambda: topkd.select_topk(bad, 4)):
+        with pytest.raises(ERR, match="(?i)dtype|float|logits"):
+            f()
+
+
+def test_not_a_tensor():
+    s, t = _st()
+    with pytest.raises(TypeError):
+        topkd.topk_kl_loss(s.tolist(), t, 4)
+    with pytest.raises(TypeError):
+        topkd.kl_loss(s, t.numpy())
+    with pytest.raises(TypeError):
+        topkd.sparse_kl_loss(s, t)  # a tensor is not a SparseTeacher
+
+
+@pytest.mark.parametrize("shape", [(4,), (4, 1), (5,), (2, 2), ()])
+def test_mask_wrong_shape(shape):
+    s, t = _st()
+    mask = torch.ones(shape, dtype=torch.bool)
+    for f in (lambda: topkd.topk_kl_loss(s, t, 4, mask=mask),
+              lambda: topkd.kl_loss(s, t, mask=mask),
+              lambda: topkd.sparse_kl_loss(s, topkd.select_topk(t, 4), mask=mask)):
+        if shape == (4,):
+            f()  # the right shape
+            continue
+        with pytest.raises(ValueError, match="mask"):
+            f()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.uint8])
+def test_mask_not_bool(dtype):
+    s, t = _st()
+    mask = torch.ones(4, dtype=dtype)
+    for f in (lambda: topkd.topk_kl_loss(s, t, 4, mask=mask),
+              lambda: topkd.kl_loss(s, t, mask=mask)):
+        with pytest.raises(ERR, match="mask"):
+            f()
+
+
+@pytest.mark.parametrize("reduction", ["avg", "MEAN", "", None, "batchmean"])
+def test_bad_reduction(reduction):
+    s, t = _st()
+    for f in (lambda: topkd.topk_kl_loss(s, t, 4, reduction=reduction),
+              lambda: topkd.kl_loss(s, t, reduction=reduction)):
+        with pytest.raises(ERR, match="reduction"):
+            f()
+
+
+@pytest.mark.parametrize("normalize", ["none", "Full", "", None, "renorm"])
+def test_bad_normalize(normalize):
+    s, t = _st()
+    with pytest.raises(ERR, match="normalize"):
+        topkd.topk_kl_loss(s, t, 4, normalize=normalize)
+    with pytest.raises(ERR, match="normalize"):
+        topkd.sparse_kl_loss(s, topkd.select_topk(t, 4), normalize=normalize)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, -5, 1.5, "1M"])
+def test_bad_chunk_bytes(chunk_bytes):
+    s, t = _st()
+    with pytest.raises(ERR, match="chunk_bytes"):
+        topkd.kl_loss(s, t, chunk_bytes=chunk_bytes)
+
+
+def test_checks_happen_before_any_work():
+    # A bad option must fail even on inputs that would be costly or that would fail later
+    # (no partial work, no collective): the student is not touched by autograd.
+    s = torch.randn(4, V, requires_grad=True)
+    t = torch.randn(4, V)
+    with pytest.raises(ValueError):
+        topkd.topk_kl_loss(s, t, 4, reduction="bogus")
+    with pytest.raises(ValueError):
+        topkd.topk_kl_loss(s, t, 4, temperature=0.0)
+    assert s.grad is None
