@@ -78,7 +78,8 @@ def mask(value, lead_shape: tuple[int, ...]) -> None:
         raise TypeError(f"mask must have dtype torch.bool, got {value.dtype}")
     if tuple(value.shape) != tuple(lead_shape):
         raise ValueError(
-            f"mask must have the logits' leading shape {tuple(lead_shape)}, got {tuple(value.shape)}"
+            f"mask must have the logits' leading shape {tuple(lead_shape)}, "
+            f"got {tuple(value.shape)}"
         )
 
 

@@ -86,11 +86,10 @@ def topk_lowest_index(b: torch.Tensor, k: int):
     sample = b[:, ::stride]
     keep = min(sample.shape[1], -(-k // stride) * 5 // 4 + 16)
     threshold = torch.topk(sample, keep, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    row, col = (b >= threshold).nonzero(as_tuple=True)  # row-major
-    count = torch.bincount(row, minlength=n)
+    row, col = (b >= threshold).nonzero(as_tuple=True)
+    count, position = _count_and_rank(row, n)
     if not bool(((count >= k) & (count <= 4 * k)).all()):
         return _topk_ties_fixed(b, k)
-    position = torch.arange(row.numel(), device=b.device) - (torch.cumsum(count, 0) - count)[row]
     columns = int(count.max())
     values = b.new_full((n, columns), float("-inf"))
     indices = torch.full((n, columns), _NO_INDEX, dtype=torch.int64, device=b.device)
@@ -98,6 +97,14 @@ def topk_lowest_index(b: torch.Tensor, k: int):
     indices[row, position] = col
     values, indices = canonical_order(values, indices)
     return values[:, :k], indices[:, :k]
+
+
+def _count_and_rank(row: torch.Tensor, rows: int):
+    """For the row ids of a row-major ``nonzero``: entries per row, and each entry's rank
+    within its row (columns ascending)."""
+    count = torch.bincount(row, minlength=rows)
+    start = torch.cumsum(count, 0) - count
+    return count, torch.arange(row.numel(), device=row.device) - start[row]
 
 
 def _topk_ties_fixed(b: torch.Tensor, k: int):
@@ -114,9 +121,8 @@ def _topk_ties_fixed(b: torch.Tensor, k: int):
         if bool(straddle.any()):
             kth = values[:, -1:]
             above = (values > kth).sum(-1)
-            row, col = (b == kth).nonzero(as_tuple=True)  # row-major: columns ascending
-            count = torch.bincount(row, minlength=b.shape[0])
-            rank = torch.arange(row.numel(), device=b.device) - (torch.cumsum(count, 0) - count)[row]
+            row, col = (b == kth).nonzero(as_tuple=True)
+            _, rank = _count_and_rank(row, b.shape[0])
             # The sorted top-k holds the K-th value in positions above..k-1: refill them with
             # the lowest tied indices (the others go to a spare column, dropped).
             slot = above[row] + rank
