@@ -1,4 +1,4 @@
-"""Row access for ``[..., V]`` tensors, chunk by chunk, without a full copy.
+"""Logits rows, chunk by chunk: from a tensor or from a fused LM head, and their gradients.
 
 The losses treat every leading position as one row. A contiguous (or otherwise viewable)
 tensor is flattened to ``[rows, V]`` as a view; a tensor whose leading dimensions cannot be
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 # Work buffers are float32 rows of V (+1 spare) entries; the default chunk is the smaller of this
 # and 1/16 of the logits, so the loop's temporaries stay a small fraction of one logits copy
@@ -20,13 +21,15 @@ _DEFAULT_FRACTION = 16
 
 
 class Rows:
-    """A ``[..., V]`` tensor read as ``[rows, V]``, one chunk of rows at a time."""
+    """A ``[..., V]`` logits tensor read as ``[rows, V]``, one chunk of rows at a time."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
         self.lead_shape = tuple(tensor.shape[:-1])
         self.width = tensor.shape[-1]
         self.count = math.prod(self.lead_shape)
+        self.device = tensor.device
+        self.element_size = tensor.element_size()
         try:
             self._flat = tensor.view(self.count, self.width)
         except RuntimeError:
@@ -42,10 +45,108 @@ class Rows:
     def float_chunk(self, start: int, stop: int, columns: int, spare: int = 0) -> torch.Tensor:
         """A new float32 ``[stop - start, columns + spare]`` buffer holding the first
         ``columns`` columns of the rows (the spare columns are left uninitialized)."""
-        out = torch.empty(stop - start, columns + spare, dtype=torch.float32,
-                          device=self.tensor.device)
+        out = torch.empty(stop - start, columns + spare, dtype=torch.float32, device=self.device)
         out[:, :columns].copy_(self.get(start, stop)[:, :columns])
         return out
+
+    def gradient(self, needs_grad) -> LogitsGradient:
+        return LogitsGradient(self)
+
+
+class LogitsGradient:
+    """The gradient of a :class:`Rows` tensor, written one chunk of rows at a time."""
+
+    def __init__(self, rows: Rows):
+        self.grad = torch.empty(rows.tensor.shape, dtype=rows.tensor.dtype, device=rows.device)
+        self._flat = self.grad.view(rows.count, rows.width)
+
+    def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
+        """Set rows ``[start, stop)`` from the float32 ``grad_chunk``; columns at or past
+        ``columns`` (vocabulary padding) get zero."""
+        self._flat[start:stop, :columns].copy_(grad_chunk[:, :columns])
+        self._flat[start:stop, columns:] = 0
+
+    def result(self) -> tuple[torch.Tensor]:
+        return (self.grad,)
+
+
+class LinearRows:
+    """Logits ``hidden @ weight.T + bias`` that never exist whole: one chunk of rows at a time.
+
+    ``hidden`` ``[..., H]``, ``weight`` ``[V_r, H]``, ``bias`` ``[V_r]`` or ``None``. A chunk is
+    computed by one matrix product in the weight's dtype (as the unfused ``hidden @ weight.T``
+    is) and then widened to float32.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.lead_shape = tuple(hidden.shape[:-1])
+        self.count = math.prod(self.lead_shape)
+        self.width = weight.shape[0]
+        self.device = weight.device
+        self.element_size = weight.element_size()
+        self.flat_hidden = hidden.reshape(self.count, hidden.shape[-1])
+
+    def float_chunk(self, start: int, stop: int, columns: int, spare: int = 0) -> torch.Tensor:
+        out = torch.empty(stop - start, columns + spare, dtype=torch.float32, device=self.device)
+        bias = None if self.bias is None else self.bias[:columns]
+        out[:, :columns] = F.linear(self.flat_hidden[start:stop], self.weight[:columns], bias)
+        return out
+
+    def gradient(self, needs_grad) -> LinearGradient:
+        return LinearGradient(self, *needs_grad)
+
+
+# Rows of the weight gradient computed per product when the weight is bf16/fp16: the product's
+# own output is in that dtype, so it is made in tiles and added into the float32 accumulator.
+_WEIGHT_TILE_ROWS = 8192
+
+
+class LinearGradient:
+    """Gradients of :class:`LinearRows`' hidden states, weight and bias, accumulated chunk by
+    chunk: hidden rows are written once, weight and bias add into float32 accumulators (the
+    only full-size buffers), returned in the inputs' dtypes."""
+
+    def __init__(self, rows: LinearRows, need_hidden: bool, need_weight: bool, need_bias: bool):
+        self.rows = rows
+        h, w = rows.flat_hidden, rows.weight
+        self.hidden = torch.zeros_like(h) if need_hidden else None
+        self.weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) \
+            if need_weight else None
+        self.bias = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) \
+            if need_bias else None
+
+    def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
+        """Add the contribution of logits gradient rows ``[start, stop)`` (float32; columns at
+        or past ``columns`` are vocabulary padding, whose gradient is zero)."""
+        rows = self.rows
+        weight = rows.weight[:columns]
+        grad = grad_chunk[:, :columns]
+        grad_low = grad.to(weight.dtype)
+        if self.hidden is not None:
+            torch.mm(grad_low, weight, out=self.hidden[start:stop])
+        if self.weight is not None:
+            hidden = rows.flat_hidden[start:stop]
+            if weight.dtype == torch.float32:
+                self.weight[:columns].addmm_(grad_low.T, hidden)
+            else:
+                for lo in range(0, columns, _WEIGHT_TILE_ROWS):
+                    hi = min(columns, lo + _WEIGHT_TILE_ROWS)
+                    self.weight[lo:hi] += grad_low[:, lo:hi].T @ hidden
+        if self.bias is not None:
+            self.bias[:columns] += grad.sum(0)
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        for g in (self.hidden, self.weight, self.bias):
+            if g is not None:
+                g.mul_(factor.to(g.dtype))
+
+    def result(self) -> tuple:
+        rows = self.rows
+        hidden = None if self.hidden is None else self.hidden.view(rows.hidden.shape)
+        weight = None if self.weight is None else self.weight.to(rows.weight.dtype)
+        bias = None if self.bias is None else self.bias.to(rows.bias.dtype)
+        return hidden, weight, bias
 
 
 def budget_bytes(chunk_bytes: int | None, rows: int, width: int, element_bytes: int) -> int:

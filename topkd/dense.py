@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from . import parallel
-from ._rows import Rows, chunk_rows, row_chunks
+from ._rows import chunk_rows, row_chunks
 from .student import _finite_or_zero
 
 
-def _centered_chunks(student: Rows, teacher: Rows, start, stop, valid, temperature):
+def _scaled_chunks(student, teacher, start, stop, valid, temperature):
     a = student.float_chunk(start, stop, valid)
     b = teacher.float_chunk(start, stop, valid)
     if temperature != 1.0:
@@ -35,18 +35,24 @@ def _centered_chunks(student: Rows, teacher: Rows, start, stop, valid, temperatu
 
 
 class DenseKL(torch.autograd.Function):
-    """``(student [..., V_r], teacher [..., V_r]) -> loss [n]`` float32."""
+    """``(student tensors, teacher tensors) -> loss [n]`` float32.
+
+    ``student_kind``/``teacher_kind`` build the row sources (``Rows`` or ``LinearRows``) from
+    the first ``n_student`` tensors and the rest; the teacher gets no gradient.
+    """
 
     @staticmethod
-    def forward(ctx, student, teacher, temperature, reverse, valid, group, chunk_bytes):
-        s_rows, t_rows = Rows(student), Rows(teacher)
-        n, device = s_rows.count, student.device
+    def forward(ctx, student_kind, teacher_kind, n_student, temperature, reverse, valid, group,
+                chunk_bytes, *tensors):
+        student = student_kind(*tensors[:n_student])
+        teacher = teacher_kind(*tensors[n_student:])
+        n = student.count
         # Columns of stats: student max, teacher max, student sum, teacher sum, weighted sum.
-        stats = torch.zeros(n, 5, dtype=torch.float32, device=device)
+        stats = torch.zeros(n, 5, dtype=torch.float32, device=student.device)
         stats[:, :2] = float("-inf")
-        per = chunk_rows(chunk_bytes, valid, n, student.element_size(), buffers=3)
+        per = chunk_rows(chunk_bytes, valid, n, student.element_size, buffers=3)
         for start, stop in row_chunks(n if valid else 0, per):
-            a, b = _centered_chunks(s_rows, t_rows, start, stop, valid, temperature)
+            a, b = _scaled_chunks(student, teacher, start, stop, valid, temperature)
             a_max, b_max = a.amax(-1), b.amax(-1)
             a.sub_(_finite_or_zero(a_max)[:, None])
             b.sub_(_finite_or_zero(b_max)[:, None])
@@ -73,24 +79,25 @@ class DenseKL(torch.autograd.Function):
         w_sum, o_sum = (a_sum, b_sum) if reverse else (b_sum, a_sum)
         loss = weighted / w_sum - w_sum.log() + o_sum.log()
 
-        ctx.save_for_backward(student, teacher, global_max, a_sum, b_sum, loss)
-        ctx.config = (temperature, reverse, valid, chunk_bytes)
+        ctx.save_for_backward(global_max, a_sum, b_sum, loss, *tensors)
+        ctx.config = (student_kind, teacher_kind, n_student, temperature, reverse, valid,
+                      chunk_bytes)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        student, teacher, global_max, a_sum, b_sum, loss = ctx.saved_tensors
-        temperature, reverse, valid, chunk_bytes = ctx.config
-        s_rows, t_rows = Rows(student), Rows(teacher)
-        grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
-        grad_rows = grad.view(s_rows.count, s_rows.width)
-        grad_rows[:, valid:] = 0  # vocabulary padding is outside both distributions
+        global_max, a_sum, b_sum, loss, *tensors = ctx.saved_tensors
+        student_kind, teacher_kind, n_student, temperature, reverse, valid, chunk_bytes = \
+            ctx.config
+        student = student_kind(*tensors[:n_student])
+        teacher = teacher_kind(*tensors[n_student:])
+        sink = student.gradient(ctx.needs_input_grad[8:8 + n_student])
         a_coef = grad_loss / (a_sum * temperature)
         b_coef = grad_loss / (b_sum * temperature)
         log_ratio_shift = b_sum.log() - a_sum.log() - loss
-        per = chunk_rows(chunk_bytes, valid, s_rows.count, student.element_size(), buffers=2)
-        for start, stop in row_chunks(s_rows.count if valid else 0, per):
-            a, b = _centered_chunks(s_rows, t_rows, start, stop, valid, temperature)
+        per = chunk_rows(chunk_bytes, valid, student.count, student.element_size, buffers=2)
+        for start, stop in row_chunks(student.count if valid else 0, per):
+            a, b = _scaled_chunks(student, teacher, start, stop, valid, temperature)
             a.sub_(global_max[start:stop, :1])
             b.sub_(global_max[start:stop, 1:])
             if reverse:  # p_j * (log p_j - log q_j - L)
@@ -100,6 +107,9 @@ class DenseKL(torch.autograd.Function):
             else:  # p_j - q_j
                 a.exp_().mul_(a_coef[start:stop, None])
                 a.sub_(b.exp_().mul_(b_coef[start:stop, None]))
-            grad_rows[start:stop, :valid].copy_(a)
+            sink.add(start, stop, a, valid)
             del a, b
-        return grad, None, None, None, None, None, None
+        if not valid:
+            sink.add(0, student.count, torch.zeros(student.count, 1, device=student.device), 0)
+        n_teacher = len(tensors) - n_student
+        return (None,) * 8 + tuple(sink.result()) + (None,) * n_teacher

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import _checks, parallel
+from ._rows import Rows
 from .dense import DenseKL
 from .divergence import bucket_kl
-from .select import SparseTeacher, _select
+from .select import SparseTeacher, select_rows
 from .student import SparseStudentLogProbs
 
 
@@ -51,8 +52,8 @@ def _sparse(student_logits, teacher: SparseTeacher, shard, vocab, *, reverse, no
             reduction, process_group, chunk_bytes):
     n, k = student_logits.shape[:-1].numel(), teacher.k
     logp_sel, logp_rest = SparseStudentLogProbs.apply(
-        student_logits, teacher.indices.reshape(n, k), teacher.temperature, shard,
-        shard.valid(vocab), process_group, chunk_bytes,
+        Rows, teacher.indices.reshape(n, k), teacher.temperature, shard, shard.valid(vocab),
+        process_group, chunk_bytes, student_logits,
     )
     loss = bucket_kl(logp_sel, logp_rest, teacher.logprobs.reshape(n, k),
                      teacher.rest_logprob.reshape(n), reverse=reverse, normalize=normalize)
@@ -152,8 +153,8 @@ def topk_kl_loss(
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shards["student"].total),
                                ("teacher_logits", shards["teacher"].total))
     k = _checks.integer("k", k, 1, vocab)
-    teacher = _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab,
-                      shards["teacher"], process_group, chunk_bytes)
+    teacher = select_rows(Rows(teacher_logits), k, top_p, top_p_min_k, temperature, vocab,
+                          shards["teacher"], process_group, chunk_bytes)
     return _sparse(student_logits, teacher, shards["student"], vocab, reverse=reverse,
                    normalize=normalize, mask=mask, reduction=reduction,
                    process_group=process_group, chunk_bytes=chunk_bytes)
@@ -203,8 +204,8 @@ def kl_loss(
             f"rank holds student columns from {student.offset} ({student.width} wide) and "
             f"teacher columns from {teacher.offset} ({teacher.width} wide)"
         )
-    loss = DenseKL.apply(student_logits, teacher_logits.detach(), temperature, bool(reverse),
-                         valid, process_group, chunk_bytes)
+    loss = DenseKL.apply(Rows, Rows, 1, temperature, bool(reverse), valid, process_group,
+                         chunk_bytes, student_logits, teacher_logits.detach())
     return _reduce(loss, mask, reduction, student_logits.shape[:-1])
 
 

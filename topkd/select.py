@@ -133,10 +133,10 @@ def _topk_ties_fixed(b: torch.Tensor, k: int):
     return canonical_order(values, indices)
 
 
-def _local_candidates(rows: Rows, k: int, temperature: float, valid: int, chunk_bytes):
+def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes):
     """Per row of this shard's first ``valid`` columns: the top-k in canonical order (values,
     local indices; at most ``valid`` of them) and the rest's log-sum-exp as (max, log-sum)."""
-    n, device = rows.count, rows.tensor.device
+    n, device = rows.count, rows.device
     k_local = min(k, valid)
     values = torch.empty(n, k_local, dtype=torch.float32, device=device)
     indices = torch.empty(n, k_local, dtype=torch.int64, device=device)
@@ -146,7 +146,7 @@ def _local_candidates(rows: Rows, k: int, temperature: float, valid: int, chunk_
         return values, indices, rest_max, rest_logsum
     # The teacher's selection runs before the student's backward allocates the gradient, so it
     # can afford larger chunks than the student's loop.
-    per = chunk_rows(4 * budget_bytes(chunk_bytes, n, valid, rows.tensor.element_size()),
+    per = chunk_rows(4 * budget_bytes(chunk_bytes, n, valid, rows.element_size),
                      valid, n, 4)
     for start, stop in row_chunks(n, per):
         b = rows.float_chunk(start, stop, valid)  # the chunk's one large buffer
@@ -215,15 +215,15 @@ def select_topk(
     shard = parallel.shard_of([s[0] for s in shapes], parallel.rank_in(process_group))
     vocab = _checks.vocab_size(vocab_size, ("teacher_logits", shard.total))
     k = _checks.integer("k", k, 1, vocab)
-    return _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab, shard,
-                   process_group, chunk_bytes)
+    return select_rows(Rows(teacher_logits), k, top_p, top_p_min_k, temperature, vocab, shard,
+                       process_group, chunk_bytes)
 
 
 @torch.no_grad()
-def _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab, shard, process_group,
-            chunk_bytes) -> SparseTeacher:
-    """:func:`select_topk` after validation, with this rank's shard known."""
-    rows = Rows(teacher_logits)
+def select_rows(rows, k, top_p, top_p_min_k, temperature, vocab, shard, process_group,
+                chunk_bytes) -> SparseTeacher:
+    """:func:`select_topk` after validation, from a row source (``Rows`` of teacher logits or
+    ``LinearRows`` of a teacher's LM head), with this rank's shard known."""
     values, local_idx, rest_max, rest_logsum = _local_candidates(
         rows, k, temperature, shard.valid(vocab), chunk_bytes
     )
@@ -238,7 +238,7 @@ def _select(teacher_logits, k, top_p, top_p_min_k, temperature, vocab, shard, pr
     out_logprobs = torch.empty(n, k, dtype=torch.float32, device=values.device)
     out_rest = torch.empty(n, dtype=torch.float32, device=values.device)
     # Merge in row blocks so the gathered candidates ([block, ranks * K]) stay within budget.
-    budget = budget_bytes(chunk_bytes, n, rows.width, teacher_logits.element_size())
+    budget = budget_bytes(chunk_bytes, n, rows.width, rows.element_size)
     per = max(1, budget // (24 * ranks * k))
     for start, stop in row_chunks(n, per):
         block = _merge(values[start:stop], indices[start:stop], rest_max[start:stop],

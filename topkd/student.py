@@ -1,16 +1,15 @@
-"""Student side: the one autograd Function that touches the student's full vocabulary.
+"""Student side: everything that touches the student's full vocabulary.
 
-Forward reads the logits chunk by chunk into a float32 buffer and returns only what the
-divergence needs, as log-probabilities computed relative to row maxima (never ``a - A`` with a
-rounded absolute ``A``):
+Per chunk of rows the student's logits (a tensor, or a fused LM head's product) are read into a
+float32 buffer. Forward returns only what the divergence needs, as log-probabilities computed
+relative to row maxima (never ``a - A`` with a rounded absolute ``A``):
 
 - ``logp_sel`` ``[n, K]``: ``log p`` at the teacher's kept indices (``-inf`` in unused slots),
 - ``logp_rest`` ``[n]``: ``log p_g``, a log-sum-exp over every entry not kept.
 
-It saves the logits (no copy), the [n, K] selected values and four per-row statistics. Backward
-writes the gradient chunk by chunk. With ``M``/``S`` the row max and centered sum over the whole
-vocabulary and ``M_g``/``S_g`` those over the ghost (entries not kept), and ``gA = -(sum of the
-gradients of logp_sel and logp_rest)`` the gradient of the log-normalizer:
+With ``M``/``S`` the row max and centered sum over the whole vocabulary, ``M_g``/``S_g`` those
+over the ghost (entries not kept), and ``gA = -(sum of the gradients of logp_sel and
+logp_rest)`` the gradient of the log-normalizer, the gradient is
 
     ghost entry j:  da_j = exp(a_j - M_g) * (gA * exp(M_g - M) / S + g_rest / S_g)
     kept entry i:   da_i = gA * exp(a_i - M) / S + g_sel_i
@@ -18,7 +17,7 @@ gradients of logp_sel and logp_rest)`` the gradient of the log-normalizer:
 and ``dz = da / T``. The ghost formula uses its own max, so it neither overflows nor underflows
 when the student's ghost holds a tiny fraction of its mass.
 
-With tensor parallelism each rank holds a vocabulary shard; forward makes one MAX and one SUM
+Tensor parallelism: each rank holds a vocabulary shard; forward makes one MAX and one SUM
 all-reduce of O(n x K) numbers. Backward makes none: every rank backpropagates the same loss,
 so the upstream gradients are already identical everywhere (as in Megatron's vocab-parallel
 cross entropy).
@@ -26,10 +25,12 @@ cross entropy).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import parallel
-from ._rows import Rows, chunk_rows, row_chunks
+from ._rows import chunk_rows, row_chunks
 
 _NEG_INF = float("-inf")
 
@@ -38,84 +39,135 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
+def local_columns(indices: torch.Tensor, offset: int, valid: int) -> torch.Tensor:
+    """This shard's column of each kept index; slots that are unused or on another rank point
+    at the spare column ``valid`` (holding -inf), so gathers and scatters need no masks."""
+    local = indices - offset
+    on_rank = (indices >= 0) & (local >= 0) & (local < valid)
+    return torch.where(on_rank, local, torch.full_like(local, valid))
+
+
+def scaled_chunk(source, start: int, stop: int, valid: int, temperature: float) -> torch.Tensor:
+    """Float32 ``[r, valid + 1]`` buffer of ``z / T``; the spare last column is -inf."""
+    a = source.float_chunk(start, stop, valid, spare=1)
+    a[:, valid] = _NEG_INF
+    if temperature != 1.0:
+        a.div_(temperature)
+    return a
+
+
+def chunk_statistics(a: torch.Tensor, columns: torch.Tensor):
+    """This shard's ``(selected values, ghost max, ghost centered sum)`` for a chunk; ``a`` is
+    consumed (overwritten)."""
+    selected = a.gather(1, columns)
+    a.scatter_(1, columns, _NEG_INF)
+    rest_max = a.amax(dim=-1)
+    rest_sum = a.sub_(_finite_or_zero(rest_max)[:, None]).exp_().sum(-1)
+    return selected, rest_max, rest_sum
+
+
+@dataclass
+class Statistics:
+    """Per-row statistics over the whole vocabulary (all ranks), and the log-probabilities."""
+
+    selected: torch.Tensor  # [n, K] a at the kept indices (-inf in unused slots)
+    row_max: torch.Tensor  # [n] M (0 where the row is all -inf)
+    total: torch.Tensor  # [n] S = sum exp(a - M)
+    rest_max: torch.Tensor  # [n] M_g (-inf when the ghost is empty)
+    rest_sum: torch.Tensor  # [n] S_g = sum over the ghost of exp(a - M_g)
+    logp_sel: torch.Tensor  # [n, K]
+    logp_rest: torch.Tensor  # [n]
+
+
+def combine(selected, rest_max, rest_sum, group) -> Statistics:
+    """Global statistics from each rank's local ones (one MAX and one SUM all-reduce).
+
+    A kept index lives on one rank; the others hold -inf in its slot.
+    """
+    k = selected.shape[-1]
+    maxes = parallel.all_reduce_max_(torch.cat([selected, rest_max[:, None]], -1), group)
+    selected, rest_max_all = maxes[:, :k], maxes[:, k]
+    rest_sum = parallel.all_reduce_sum_(
+        rest_sum * torch.exp(rest_max - _finite_or_zero(rest_max_all)), group
+    )
+    rest_max = rest_max_all
+    row_max = _finite_or_zero(torch.maximum(selected.amax(-1), rest_max))
+    total = torch.exp(selected - row_max[:, None]).sum(-1)
+    total += rest_sum * torch.exp(rest_max - row_max)
+    log_total = total.log()
+    logp_sel = (selected - row_max[:, None]) - log_total[:, None]
+    logp_rest = (rest_max - row_max) + rest_sum.log() - log_total
+    return Statistics(selected, row_max, total, rest_max, rest_sum, logp_sel, logp_rest)
+
+
+def chunk_gradient(a, columns, stats: Statistics, grad_sel, grad_rest, temperature):
+    """Overwrite ``a`` (the chunk's ``z / T``, float32) with ``d loss / d z`` for its rows.
+
+    ``stats``, ``grad_sel`` and ``grad_rest`` are those rows' slices. Unused slots have
+    ``logp = -inf`` and zero gradient from the divergence; off-rank slots scatter into the
+    spare column, which the caller drops.
+    """
+    grad_norm = -(grad_sel.sum(-1) + grad_rest)  # d loss / d log-normalizer (all kept slots)
+    has_rest = stats.rest_sum > 0
+    ghost = grad_norm * torch.exp(stats.rest_max - stats.row_max) / stats.total
+    ghost = ghost + torch.where(has_rest, grad_rest / stats.rest_sum.clamp_min(1e-38), 0.0)
+    ghost = torch.where(has_rest, ghost, 0.0) / temperature
+    a.sub_(_finite_or_zero(stats.rest_max)[:, None]).exp_().mul_(ghost[:, None])
+    kept = torch.exp(stats.selected - stats.row_max[:, None])
+    kept.mul_((grad_norm / stats.total)[:, None]).add_(grad_sel).div_(temperature)
+    a.scatter_(1, columns, kept)
+    return a
+
+
+def _rows_slice(stats: Statistics, start: int, stop: int) -> Statistics:
+    fields = (getattr(stats, f) for f in Statistics.__dataclass_fields__)
+    return Statistics(*(None if x is None else x[start:stop] for x in fields))
+
+
 class SparseStudentLogProbs(torch.autograd.Function):
-    """``(logits [..., V_r], indices [n, K]) -> (logp_sel [n, K], logp_rest [n])``, float32."""
+    """``source tensors -> (logp_sel [n, K], logp_rest [n])``, float32.
+
+    ``kind`` builds the row source from ``tensors``: ``Rows`` for a logits tensor
+    ``[..., V_r]``, ``LinearRows`` for ``(hidden, weight, bias)``.
+    """
 
     @staticmethod
-    def forward(ctx, logits, indices, temperature, shard, valid, group, chunk_bytes):
-        rows = Rows(logits)
+    def forward(ctx, kind, indices, temperature, shard, valid, group, chunk_bytes, *tensors):
+        source = kind(*tensors)
         n, k = indices.shape
-        device = logits.device
-        # Local column of each kept index; slots that are unused or on another rank point at a
-        # spare column holding -inf, so gathers and scatters need no masks.
-        local = indices - shard.offset
-        on_rank = (indices >= 0) & (local >= 0) & (local < valid)
-        columns = torch.where(on_rank, local, torch.full_like(local, valid))
-
+        device = source.device
+        columns = local_columns(indices, shard.offset, valid)
         selected = torch.full((n, k), _NEG_INF, dtype=torch.float32, device=device)
         rest_max = torch.full((n,), _NEG_INF, dtype=torch.float32, device=device)
         rest_sum = torch.zeros(n, dtype=torch.float32, device=device)
-        per = chunk_rows(chunk_bytes, valid + 1, n, logits.element_size())
+        per = chunk_rows(chunk_bytes, valid + 1, n, source.element_size)
         for start, stop in row_chunks(n if valid else 0, per):
-            a = rows.float_chunk(start, stop, valid, spare=1)
-            a[:, valid] = _NEG_INF
-            if temperature != 1.0:
-                a.div_(temperature)
-            cols = columns[start:stop]
-            selected[start:stop] = a.gather(1, cols)
-            a.scatter_(1, cols, _NEG_INF)
-            m = a.amax(dim=-1)
-            rest_max[start:stop] = m
-            rest_sum[start:stop] = a.sub_(_finite_or_zero(m)[:, None]).exp_().sum(-1)
+            a = scaled_chunk(source, start, stop, valid, temperature)
+            selected[start:stop], rest_max[start:stop], rest_sum[start:stop] = \
+                chunk_statistics(a, columns[start:stop])
             del a  # free this chunk's buffer before the next is allocated
-
-        # Global statistics: the selected values live on one rank each (-inf elsewhere).
-        maxes = parallel.all_reduce_max_(torch.cat([selected, rest_max[:, None]], -1), group)
-        selected, rest_max_all = maxes[:, :k], maxes[:, k]
-        rest_sum = parallel.all_reduce_sum_(
-            rest_sum * torch.exp(rest_max - _finite_or_zero(rest_max_all)), group
-        )
-        rest_max = rest_max_all
-        row_max = _finite_or_zero(torch.maximum(selected.amax(-1), rest_max))
-        total = torch.exp(selected - row_max[:, None]).sum(-1)
-        total += rest_sum * torch.exp(rest_max - row_max)
-        log_total = total.log()
-        logp_sel = (selected - row_max[:, None]) - log_total[:, None]
-        logp_rest = (rest_max - row_max) + rest_sum.log() - log_total
+        stats = combine(selected, rest_max, rest_sum, group)
 
         # int32 halves the saved [n, K] indices (scatter wants int64: converted per chunk).
-        ctx.save_for_backward(logits, columns.int(), selected, row_max, total, rest_max, rest_sum)
-        ctx.config = (temperature, valid, chunk_bytes)
-        return logp_sel, logp_rest
+        ctx.save_for_backward(columns.int(), stats.selected, stats.row_max, stats.total,
+                              stats.rest_max, stats.rest_sum, *tensors)
+        ctx.config = (kind, temperature, valid, chunk_bytes)
+        return stats.logp_sel, stats.logp_rest
 
     @staticmethod
     def backward(ctx, grad_sel, grad_rest):
-        logits, columns, selected, row_max, total, rest_max, rest_sum = ctx.saved_tensors
-        temperature, valid, chunk_bytes = ctx.config
-        # d loss / d log-normalizer: every kept slot counts, on this rank or another (unused
-        # slots have logp = -inf and get zero gradient from the divergence).
-        grad_norm = -(grad_sel.sum(-1) + grad_rest)
-        # Per-row coefficient of exp(a_j - M_g) on ghost entries, and the kept entries' values.
-        has_rest = rest_sum > 0
-        ghost_coef = grad_norm * torch.exp(rest_max - row_max) / total
-        ghost_coef = ghost_coef + torch.where(has_rest, grad_rest / rest_sum.clamp_min(1e-38), 0.0)
-        ghost_coef = torch.where(has_rest, ghost_coef, 0.0) / temperature
-        kept_coef = grad_norm / total
-        rest_max = _finite_or_zero(rest_max)
-
-        rows = Rows(logits)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        grad_rows = grad.view(rows.count, rows.width)
-        grad_rows[:, valid:] = 0  # vocabulary padding is outside both distributions
-        per = chunk_rows(chunk_bytes, valid + 1, rows.count, logits.element_size())
-        for start, stop in row_chunks(rows.count if valid else 0, per):
-            a = rows.float_chunk(start, stop, valid, spare=1)
-            if temperature != 1.0:
-                a.div_(temperature)
-            a.sub_(rest_max[start:stop, None]).exp_().mul_(ghost_coef[start:stop, None])
-            kept = torch.exp(selected[start:stop] - row_max[start:stop, None])
-            kept.mul_(kept_coef[start:stop, None]).add_(grad_sel[start:stop]).div_(temperature)
-            a.scatter_(1, columns[start:stop].long(), kept)
-            grad_rows[start:stop, :valid].copy_(a[:, :valid])
+        columns, selected, row_max, total, rest_max, rest_sum, *tensors = ctx.saved_tensors
+        kind, temperature, valid, chunk_bytes = ctx.config
+        stats = Statistics(selected, row_max, total, rest_max, rest_sum, None, None)
+        source = kind(*tensors)
+        sink = source.gradient(ctx.needs_input_grad[7:])
+        per = chunk_rows(chunk_bytes, valid + 1, source.count, source.element_size)
+        for start, stop in row_chunks(source.count if valid else 0, per):
+            a = scaled_chunk(source, start, stop, valid, temperature)
+            chunk_gradient(a, columns[start:stop].long(), _rows_slice(stats, start, stop),
+                           grad_sel[start:stop], grad_rest[start:stop], temperature)
+            sink.add(start, stop, a, valid)
             del a
-        return grad, None, None, None, None, None, None
+        if not valid:
+            sink.add(0, source.count, torch.zeros(source.count, 1, device=source.device), 0)
+        return (None,) * 7 + tuple(sink.result())
