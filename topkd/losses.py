@@ -16,7 +16,7 @@ from .select import SparseTeacher, select_rows
 from .student import SparseStudentLogProbs
 
 
-def _shards(group, widths: dict[str, int], rows: int) -> dict[str, parallel.Shard]:
+def exchange_shards(group, widths: dict[str, int], rows: int) -> dict[str, parallel.Shard]:
     """Exchange shapes once; every rank validates the same numbers, so all raise together."""
     shapes = parallel.exchange_shapes(group, [*widths.values(), rows])
     row_counts = [s[-1] for s in shapes]
@@ -28,7 +28,7 @@ def _shards(group, widths: dict[str, int], rows: int) -> dict[str, parallel.Shar
     }
 
 
-def _reduce(loss: torch.Tensor, mask, reduction: str, lead_shape) -> torch.Tensor:
+def reduce_rows(loss: torch.Tensor, mask, reduction: str, lead_shape) -> torch.Tensor:
     if mask is not None:
         mask = mask.reshape(-1)
         loss = torch.where(mask, loss, torch.zeros_like(loss))
@@ -48,16 +48,18 @@ def _common_checks(student_logits, mask, reduction, chunk_bytes):
     _checks.mask(mask, student_logits.shape[:-1])
 
 
-def _sparse(student_logits, teacher: SparseTeacher, shard, vocab, *, reverse, normalize, mask,
-            reduction, process_group, chunk_bytes):
-    n, k = student_logits.shape[:-1].numel(), teacher.k
+def sparse_from_rows(kind, tensors, lead_shape, teacher: SparseTeacher, shard, vocab, *,
+                     reverse, normalize, mask, reduction, process_group, chunk_bytes):
+    """The sparse loss for a student row source (``Rows`` of logits, ``LinearRows`` of a
+    fused LM head) built by ``kind`` from ``tensors``, after validation."""
+    n, k = teacher.indices.shape[:-1].numel(), teacher.k
     logp_sel, logp_rest = SparseStudentLogProbs.apply(
-        Rows, teacher.indices.reshape(n, k), teacher.temperature, shard, shard.valid(vocab),
-        process_group, chunk_bytes, student_logits,
+        kind, teacher.indices.reshape(n, k), teacher.temperature, shard, shard.valid(vocab),
+        process_group, chunk_bytes, *tensors,
     )
     loss = bucket_kl(logp_sel, logp_rest, teacher.logprobs.reshape(n, k),
                      teacher.rest_logprob.reshape(n), reverse=reverse, normalize=normalize)
-    return _reduce(loss, mask, reduction, student_logits.shape[:-1])
+    return reduce_rows(loss, mask, reduction, lead_shape)
 
 
 def sparse_kl_loss(
@@ -102,17 +104,18 @@ def sparse_kl_loss(
     _checks.choice("normalize", normalize, _checks.NORMALIZE)
     _checks.same_leading("student_logits", student_logits.shape[:-1],
                          "teacher", teacher.indices.shape[:-1])
-    shard = _shards(process_group, {"student": student_logits.shape[-1]},
-                    student_logits.shape[:-1].numel())["student"]
+    shard = exchange_shards(process_group, {"student": student_logits.shape[-1]},
+                            student_logits.shape[:-1].numel())["student"]
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shard.total))
     if vocab != teacher.vocab_size:
         raise ValueError(
             f"the teacher was normalized over vocab_size={teacher.vocab_size} but the student's "
             f"vocabulary is {vocab} (student_logits width {shard.total}, vocab_size={vocab_size})"
         )
-    return _sparse(student_logits, teacher, shard, vocab, reverse=reverse, normalize=normalize,
-                   mask=mask, reduction=reduction, process_group=process_group,
-                   chunk_bytes=chunk_bytes)
+    return sparse_from_rows(Rows, (student_logits,), student_logits.shape[:-1], teacher, shard,
+                            vocab, reverse=reverse, normalize=normalize, mask=mask,
+                            reduction=reduction, process_group=process_group,
+                            chunk_bytes=chunk_bytes)
 
 
 def topk_kl_loss(
@@ -147,17 +150,18 @@ def topk_kl_loss(
     _checks.choice("normalize", normalize, _checks.NORMALIZE)
     temperature = _checks.temperature(temperature)
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
-    shards = _shards(process_group, {"student": student_logits.shape[-1],
-                                     "teacher": teacher_logits.shape[-1]},
-                     student_logits.shape[:-1].numel())
+    shards = exchange_shards(process_group, {"student": student_logits.shape[-1],
+                                             "teacher": teacher_logits.shape[-1]},
+                             student_logits.shape[:-1].numel())
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shards["student"].total),
                                ("teacher_logits", shards["teacher"].total))
     k = _checks.integer("k", k, 1, vocab)
     teacher = select_rows(Rows(teacher_logits), k, top_p, top_p_min_k, temperature, vocab,
                           shards["teacher"], process_group, chunk_bytes)
-    return _sparse(student_logits, teacher, shards["student"], vocab, reverse=reverse,
-                   normalize=normalize, mask=mask, reduction=reduction,
-                   process_group=process_group, chunk_bytes=chunk_bytes)
+    return sparse_from_rows(Rows, (student_logits,), student_logits.shape[:-1], teacher,
+                            shards["student"], vocab, reverse=reverse, normalize=normalize,
+                            mask=mask, reduction=reduction, process_group=process_group,
+                            chunk_bytes=chunk_bytes)
 
 
 def kl_loss(
@@ -191,22 +195,33 @@ def kl_loss(
     _checks.same_leading("student_logits", student_logits.shape[:-1],
                          "teacher_logits", teacher_logits.shape[:-1])
     temperature = _checks.temperature(temperature)
-    shards = _shards(process_group, {"student": student_logits.shape[-1],
-                                     "teacher": teacher_logits.shape[-1]},
-                     student_logits.shape[:-1].numel())
+    shards = exchange_shards(process_group, {"student": student_logits.shape[-1],
+                                             "teacher": teacher_logits.shape[-1]},
+                             student_logits.shape[:-1].numel())
+    vocab = _checks.vocab_size(vocab_size, ("student_logits", shards["student"].total),
+                               ("teacher_logits", shards["teacher"].total))
+    return dense_from_rows(Rows, (student_logits,), Rows, (teacher_logits.detach(),),
+                           student_logits.shape[:-1], shards, vocab, temperature=temperature,
+                           reverse=reverse, mask=mask, reduction=reduction,
+                           process_group=process_group, chunk_bytes=chunk_bytes)
+
+
+def dense_from_rows(student_kind, student_tensors, teacher_kind, teacher_tensors, lead_shape,
+                    shards, vocab, *, temperature, reverse, mask, reduction, process_group,
+                    chunk_bytes):
+    """The full-vocabulary loss for row sources (``Rows``/``LinearRows``), after validation."""
     student, teacher = shards["student"], shards["teacher"]
-    vocab = _checks.vocab_size(vocab_size, ("student_logits", student.total),
-                               ("teacher_logits", teacher.total))
     valid = student.valid(vocab)
     if (student.offset, valid) != (teacher.offset, teacher.valid(vocab)):
         raise ValueError(
-            "student_logits and teacher_logits must be sharded alike over the vocabulary: this "
+            "the student and teacher logits must be sharded alike over the vocabulary: this "
             f"rank holds student columns from {student.offset} ({student.width} wide) and "
             f"teacher columns from {teacher.offset} ({teacher.width} wide)"
         )
-    loss = DenseKL.apply(Rows, Rows, 1, temperature, bool(reverse), valid, process_group,
-                         chunk_bytes, student_logits, teacher_logits.detach())
-    return _reduce(loss, mask, reduction, student_logits.shape[:-1])
+    loss = DenseKL.apply(student_kind, teacher_kind, len(student_tensors), temperature,
+                         bool(reverse), valid, process_group, chunk_bytes, *student_tensors,
+                         *teacher_tensors)
+    return reduce_rows(loss, mask, reduction, lead_shape)
 
 
 def _check_options(options: dict, allowed: set[str]) -> None:
