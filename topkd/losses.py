@@ -41,8 +41,8 @@ def reduce_rows(loss: torch.Tensor, mask, reduction: str, lead_shape) -> torch.T
     return total / max(kept, 1)
 
 
-def _common_checks(student_logits, mask, reduction, chunk_bytes):
-    _checks.logits("student_logits", student_logits)
+def _common_checks(student_logits, mask, reduction, chunk_bytes, name="student_logits"):
+    _checks.logits(name, student_logits)
     _checks.chunk_bytes(chunk_bytes)
     _checks.choice("reduction", reduction, _checks.REDUCTIONS)
     _checks.mask(mask, student_logits.shape[:-1])

@@ -1,0 +1,242 @@
+"""KD losses with the student's LM head fused in: the student's logits never exist whole.
+
+``hidden @ weight.T + bias`` is computed one chunk of rows at a time, inside the same loops
+that the logits losses run, and its gradient goes straight into the hidden states', weight's
+and bias's gradients. The teacher can be logits, a :class:`SparseTeacher`, or its own
+``(hidden, weight[, bias])``, whose logits are likewise made chunk by chunk under no grad.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _checks
+from ._rows import LinearRows, Rows
+from .losses import (
+    _KL_OPTIONS,
+    _check_options,
+    _common_checks,
+    dense_from_rows,
+    exchange_shards,
+    sparse_from_rows,
+)
+from .select import SparseTeacher, select_rows
+
+
+class _AllReduceGradient(torch.autograd.Function):
+    """Identity forward; SUM all-reduce of the gradient in backward (Megatron's
+    ``copy_to_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _check_linear(prefix: str, hidden, weight, bias) -> None:
+    """``hidden [..., H]``, ``weight [V_r, H]``, ``bias [V_r]`` or None, one float dtype."""
+    _checks.logits(f"{prefix}hidden", hidden)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{prefix}weight must be a 2-D tensor [V_r, H], got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{prefix}hidden width {hidden.shape[-1]} differs from {prefix}weight "
+                         f"width {weight.shape[1]} (weight is [V_r, H] = {tuple(weight.shape)})")
+    if bias is not None and (not isinstance(bias, torch.Tensor)
+                             or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"{prefix}bias must be a tensor of shape ({weight.shape[0]},), got "
+                         f"{getattr(bias, 'shape', type(bias).__name__)}")
+    dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    if len(dtypes) > 1:
+        raise TypeError(f"{prefix}hidden, {prefix}weight and {prefix}bias must share one dtype, "
+                        f"got {sorted(str(d) for d in dtypes)}")
+
+
+def _teacher_source(teacher, lead_shape):
+    """``(kind, tensors, width)`` of a teacher given as logits or ``(hidden, weight[, bias])``."""
+    if isinstance(teacher, torch.Tensor):
+        _checks.logits("teacher logits", teacher)
+        _checks.same_leading("hidden", lead_shape, "teacher logits", teacher.shape[:-1])
+        return Rows, (teacher.detach(),), teacher.shape[-1]
+    if isinstance(teacher, tuple) and len(teacher) in (2, 3):
+        hidden, weight, bias = (*teacher, None)[:3]
+        _check_linear("teacher ", hidden, weight, bias)
+        _checks.same_leading("hidden", lead_shape, "teacher hidden", hidden.shape[:-1])
+        tensors = tuple(None if t is None else t.detach() for t in (hidden, weight, bias))
+        return LinearRows, tensors, weight.shape[0]
+    raise TypeError(
+        "teacher must be teacher logits [..., V_r], a topkd.SparseTeacher (fused_topk_kl_loss "
+        f"only) or a tuple (teacher_hidden, teacher_weight[, teacher_bias]), got "
+        f"{type(teacher).__name__}" + (f" of length {len(teacher)}" if isinstance(teacher, tuple)
+                                       else "")
+    )
+
+
+def _student(hidden, weight, bias, process_group, reduce_hidden_grad):
+    _check_linear("", hidden, weight, bias)
+    if reduce_hidden_grad and process_group is not None:
+        hidden = _AllReduceGradient.apply(hidden, process_group)
+    return (hidden, weight, bias)
+
+
+def fused_topk_kl_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher,
+    k: int | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    top_p: float | None = None,
+    top_p_min_k: int = 1,
+    temperature: float = 1.0,
+    reverse: bool = False,
+    normalize: str = "full",
+    vocab_size: int | None = None,
+    mask: torch.Tensor | None = None,
+    reduction: str = "none",
+    process_group=None,
+    chunk_bytes: int | None = None,
+    reduce_hidden_grad: bool = False,
+) -> torch.Tensor:
+    """:func:`topkd.topk_kl_loss` of ``hidden @ weight.T + bias``, never holding those logits.
+
+    Args:
+        hidden: the student's final hidden states ``[..., H]`` (float32/bfloat16/float16).
+        weight: the student's LM head ``[V_r, H]`` (this rank's vocabulary rows), same dtype.
+        teacher: teacher logits ``[..., V_r]`` (``k`` required); a :class:`SparseTeacher`
+            (online or from a store: ``k``, ``top_p`` and the temperature are its own, so
+            ``temperature`` must equal its temperature); or ``(teacher_hidden, teacher_weight
+            [, teacher_bias])``, whose logits are computed chunk by chunk under no grad.
+        k: entries kept per row (see :func:`topkd.select_topk`).
+        bias: optional ``[V_r]``.
+        reduce_hidden_grad: with ``process_group``, the hidden states' gradient on each rank is
+            by default this rank's partial sum over its vocabulary shard, which the caller's
+            tensor-parallel region all-reduces (Megatron's ``ColumnParallelLinear``
+            convention: hidden went through ``copy_to_tensor_model_parallel_region``). With
+            ``True`` it is all-reduced here (once per call, in backward), so every rank gets
+            the full gradient.
+        top_p, top_p_min_k, temperature, reverse, normalize, vocab_size, mask, reduction,
+        process_group, chunk_bytes: as in :func:`topkd.topk_kl_loss`.
+
+    Returns:
+        The float32 loss, equal to the unfused loss on the same logits to float32 rounding.
+        Gradients flow to every one of ``hidden``, ``weight`` and ``bias`` that requires grad:
+        hidden rows are written once, the weight's and bias's gradients are accumulated in a
+        float32 buffer of their shape and returned in their dtype. No ``T**2`` factor.
+    """
+    _common_checks(hidden, mask, reduction, chunk_bytes, name="hidden")
+    _checks.choice("normalize", normalize, _checks.NORMALIZE)
+    temperature = _checks.temperature(temperature)
+    top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
+    lead_shape = hidden.shape[:-1]
+    tensors = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
+    if isinstance(teacher, SparseTeacher):
+        if k is not None and k != teacher.k:
+            raise ValueError(f"k={k} differs from the SparseTeacher's K={teacher.k}")
+        if top_p is not None:
+            raise ValueError("top_p applies when selecting; this SparseTeacher is already "
+                             "selected (pass top_p to select_topk)")
+        if temperature != teacher.temperature:
+            raise ValueError(f"temperature={temperature} differs from the SparseTeacher's "
+                             f"temperature {teacher.temperature}")
+        _checks.same_leading("hidden", lead_shape, "teacher", teacher.indices.shape[:-1])
+        shards = exchange_shards(process_group, {"student": weight.shape[0]}, lead_shape.numel())
+        vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total))
+        if vocab != teacher.vocab_size:
+            raise ValueError(f"the teacher was normalized over vocab_size={teacher.vocab_size} "
+                             f"but the student's vocabulary is {vocab}")
+        sparse = teacher
+    else:
+        kind, teacher_tensors, width = _teacher_source(teacher, lead_shape)
+        if k is None:
+            raise ValueError("k is required when the teacher is given as logits or as "
+                             "(hidden, weight[, bias])")
+        shards = exchange_shards(process_group, {"student": weight.shape[0], "teacher": width},
+                                 lead_shape.numel())
+        vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
+                                   ("teacher width", shards["teacher"].total))
+        k = _checks.integer("k", k, 1, vocab)
+        sparse = select_rows(kind(*teacher_tensors), k, top_p, top_p_min_k, temperature, vocab,
+                             shards["teacher"], process_group, chunk_bytes)
+    return sparse_from_rows(LinearRows, tensors, lead_shape, sparse, shards["student"], vocab,
+                            reverse=reverse, normalize=normalize, mask=mask,
+                            reduction=reduction, process_group=process_group,
+                            chunk_bytes=chunk_bytes)
+
+
+def fused_kl_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    reverse: bool = False,
+    vocab_size: int | None = None,
+    mask: torch.Tensor | None = None,
+    reduction: str = "none",
+    process_group=None,
+    chunk_bytes: int | None = None,
+    reduce_hidden_grad: bool = False,
+) -> torch.Tensor:
+    """:func:`topkd.kl_loss` of ``hidden @ weight.T + bias``, never holding those logits.
+
+    ``teacher`` is teacher logits ``[..., V_r]`` or ``(teacher_hidden, teacher_weight
+    [, teacher_bias])`` (sharded like ``weight`` under tensor parallelism). Everything else as
+    in :func:`fused_topk_kl_loss` and :func:`topkd.kl_loss`. No ``T**2`` factor.
+    """
+    _common_checks(hidden, mask, reduction, chunk_bytes, name="hidden")
+    temperature = _checks.temperature(temperature)
+    lead_shape = hidden.shape[:-1]
+    tensors = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
+    if isinstance(teacher, SparseTeacher):
+        raise TypeError("fused_kl_loss needs the whole teacher distribution: teacher logits "
+                        "or (hidden, weight[, bias]); use fused_topk_kl_loss for a "
+                        "SparseTeacher")
+    kind, teacher_tensors, width = _teacher_source(teacher, lead_shape)
+    shards = exchange_shards(process_group, {"student": weight.shape[0], "teacher": width},
+                             lead_shape.numel())
+    vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
+                               ("teacher width", shards["teacher"].total))
+    return dense_from_rows(LinearRows, tensors, kind, teacher_tensors, lead_shape, shards,
+                           vocab, temperature=temperature, reverse=reverse, mask=mask,
+                           reduction=reduction, process_group=process_group,
+                           chunk_bytes=chunk_bytes)
+
+
+class FusedTopKLogitsKLLoss(torch.nn.Module):
+    """Module form of :func:`fused_topk_kl_loss`: holds ``k`` and the options; called as
+    ``loss_fn(hidden, weight, teacher, bias=None, mask=None)``."""
+
+    def __init__(self, k: int | None = None, **options):
+        super().__init__()
+        if k is not None:
+            _checks.integer("k", k, 1)
+        _check_options(options, _KL_OPTIONS | {"top_p", "top_p_min_k", "normalize",
+                                               "reduce_hidden_grad"})
+        self.k = k
+        self.options = options
+
+    def forward(self, hidden, weight, teacher, bias=None, mask=None) -> torch.Tensor:
+        return fused_topk_kl_loss(hidden, weight, teacher, self.k, bias=bias, mask=mask,
+                                  **self.options)
+
+
+class FusedLogitsKLLoss(torch.nn.Module):
+    """Module form of :func:`fused_kl_loss`: holds the options; called as
+    ``loss_fn(hidden, weight, teacher, bias=None, mask=None)``."""
+
+    def __init__(self, **options):
+        super().__init__()
+        _check_options(options, _KL_OPTIONS | {"reduce_hidden_grad"})
+        self.options = options
+
+    def forward(self, hidden, weight, teacher, bias=None, mask=None) -> torch.Tensor:
+        return fused_kl_loss(hidden, weight, teacher, bias=bias, mask=mask, **self.options)
