@@ -66,6 +66,11 @@ class LogitsGradient:
         self._flat[start:stop, :columns].copy_(grad_chunk[:, :columns])
         self._flat[start:stop, columns:] = 0
 
+    def finish(self, columns: int) -> None:
+        """After the chunk loop, which skips a shard with no real columns."""
+        if columns == 0:
+            self.grad.zero_()
+
     def result(self) -> tuple[torch.Tensor]:
         return (self.grad,)
 
@@ -136,17 +141,24 @@ class LinearGradient:
         if self.bias is not None:
             self.bias[:columns] += grad.sum(0)
 
-    def scale_(self, factor: torch.Tensor) -> None:
-        for g in (self.hidden, self.weight, self.bias):
-            if g is not None:
-                g.mul_(factor.to(g.dtype))
+    def finish(self, columns: int) -> None:
+        """After the chunk loop (the accumulators start at zero: nothing to do)."""
 
-    def result(self) -> tuple:
+    def result(self, scale: torch.Tensor | None = None) -> tuple:
+        """The gradients in the inputs' dtypes, times ``scale`` (the upstream gradient of a
+        loss whose gradients were accumulated in forward) when given: new tensors, so a
+        second backward through the same graph sees the accumulators unchanged."""
         rows = self.rows
-        hidden = None if self.hidden is None else self.hidden.view(rows.hidden.shape)
-        weight = None if self.weight is None else self.weight.to(rows.weight.dtype)
-        bias = None if self.bias is None else self.bias.to(rows.bias.dtype)
-        return hidden, weight, bias
+        out = []
+        for acc, like in ((self.hidden, rows.hidden), (self.weight, rows.weight),
+                          (self.bias, rows.bias)):
+            if acc is None:
+                out.append(None)
+                continue
+            if scale is not None:
+                acc = acc * scale.to(acc.dtype)
+            out.append(acc.to(like.dtype).view(like.shape))
+        return tuple(out)
 
 
 def budget_bytes(chunk_bytes: int | None, rows: int, width: int, element_bytes: int) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from . import _checks, parallel
 from ._rows import Rows
-from .dense import DenseKL
+from .dense import DenseKL, check_aligned
 from .divergence import bucket_kl
 from .select import SparseTeacher, select_rows
 from .student import SparseStudentLogProbs
@@ -210,14 +210,7 @@ def dense_from_rows(student_kind, student_tensors, teacher_kind, teacher_tensors
                     shards, vocab, *, temperature, reverse, mask, reduction, process_group,
                     chunk_bytes):
     """The full-vocabulary loss for row sources (``Rows``/``LinearRows``), after validation."""
-    student, teacher = shards["student"], shards["teacher"]
-    valid = student.valid(vocab)
-    if (student.offset, valid) != (teacher.offset, teacher.valid(vocab)):
-        raise ValueError(
-            "the student and teacher logits must be sharded alike over the vocabulary: this "
-            f"rank holds student columns from {student.offset} ({student.width} wide) and "
-            f"teacher columns from {teacher.offset} ({teacher.width} wide)"
-        )
+    valid = check_aligned(shards, vocab)
     loss = DenseKL.apply(student_kind, teacher_kind, len(student_tensors), temperature,
                          bool(reverse), valid, process_group, chunk_bytes, *student_tensors,
                          *teacher_tensors)

@@ -31,6 +31,7 @@ import torch
 
 from . import parallel
 from ._rows import chunk_rows, row_chunks
+from .divergence import bucket_kl
 
 _NEG_INF = float("-inf")
 
@@ -168,6 +169,36 @@ class SparseStudentLogProbs(torch.autograd.Function):
                            grad_sel[start:stop], grad_rest[start:stop], temperature)
             sink.add(start, stop, a, valid)
             del a
-        if not valid:
-            sink.add(0, source.count, torch.zeros(source.count, 1, device=source.device), 0)
+        sink.finish(valid)
         return (None,) * 7 + tuple(sink.result())
+
+
+def scalar_loss_and_gradients(source, teacher, row_weight, shard, valid, group, rows_per_chunk,
+                              sink, *, reverse, normalize):
+    """``sum(row_weight * loss)`` with the student's gradient added to ``sink`` on the way:
+    one pass over the student, for losses reduced to a scalar (the upstream gradient of each
+    row's loss is its ``row_weight``). ``rows_per_chunk`` must be the same on every rank
+    (statistics are combined per chunk)."""
+    n, k = teacher.indices.shape[:-1].numel(), teacher.k
+    columns = local_columns(teacher.indices.reshape(n, k), shard.offset, valid)
+    logq_sel, logq_rest = teacher.logprobs.reshape(n, k), teacher.rest_logprob.reshape(n)
+    temperature = teacher.temperature
+    total = torch.zeros((), dtype=torch.float32, device=source.device)
+    for start, stop in row_chunks(n, rows_per_chunk):
+        a = scaled_chunk(source, start, stop, valid, temperature)
+        cols = columns[start:stop]
+        stats = combine(*chunk_statistics(a.clone(), cols), group)
+        weight = row_weight[start:stop]
+        with torch.enable_grad():
+            logp_sel = stats.logp_sel.requires_grad_()
+            logp_rest = stats.logp_rest.requires_grad_()
+            loss = bucket_kl(logp_sel, logp_rest, logq_sel[start:stop], logq_rest[start:stop],
+                             reverse=reverse, normalize=normalize)
+            loss = torch.where(weight != 0, loss * weight, 0.0).sum()
+            grad_sel, grad_rest = torch.autograd.grad(loss, (logp_sel, logp_rest))
+        total += loss.detach()
+        chunk_gradient(a, cols, stats, grad_sel, grad_rest, temperature)
+        sink.add(start, stop, a, valid)
+        del a
+    sink.finish(valid)
+    return total
