@@ -20,6 +20,16 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 _DEFAULT_FRACTION = 16
 
 
+def widen(low: torch.Tensor, spare: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``low`` copied into a float32 buffer with ``spare`` extra (uninitialized) columns:
+    ``out`` when given, else a new one."""
+    if out is None:
+        out = torch.empty(low.shape[0], low.shape[1] + spare, dtype=torch.float32,
+                          device=low.device)
+    out[:, :low.shape[1]].copy_(low)
+    return out
+
+
 class Rows:
     """A ``[..., V]`` logits tensor read as ``[rows, V]``, one chunk of rows at a time."""
 
@@ -42,12 +52,9 @@ class Rows:
         flat = torch.arange(start, stop, device=self.tensor.device)
         return self.tensor[torch.unravel_index(flat, self.lead_shape)]
 
-    def float_chunk(self, start: int, stop: int, columns: int, spare: int = 0) -> torch.Tensor:
-        """A new float32 ``[stop - start, columns + spare]`` buffer holding the first
-        ``columns`` columns of the rows (the spare columns are left uninitialized)."""
-        out = torch.empty(stop - start, columns + spare, dtype=torch.float32, device=self.device)
-        out[:, :columns].copy_(self.get(start, stop)[:, :columns])
-        return out
+    def low_chunk(self, start: int, stop: int, columns: int) -> torch.Tensor:
+        """The first ``columns`` columns of rows ``[start, stop)`` in the logits' dtype."""
+        return self.get(start, stop)[:, :columns]
 
     def gradient(self, needs_grad) -> LogitsGradient:
         return LogitsGradient(self)
@@ -92,11 +99,9 @@ class LinearRows:
         self.element_size = weight.element_size()
         self.flat_hidden = hidden.reshape(self.count, hidden.shape[-1])
 
-    def float_chunk(self, start: int, stop: int, columns: int, spare: int = 0) -> torch.Tensor:
-        out = torch.empty(stop - start, columns + spare, dtype=torch.float32, device=self.device)
+    def low_chunk(self, start: int, stop: int, columns: int) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[:columns]
-        out[:, :columns] = F.linear(self.flat_hidden[start:stop], self.weight[:columns], bias)
-        return out
+        return F.linear(self.flat_hidden[start:stop], self.weight[:columns], bias)
 
     def gradient(self, needs_grad) -> LinearGradient:
         return LinearGradient(self, *needs_grad)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import parallel
-from ._rows import chunk_rows, row_chunks
+from ._rows import chunk_rows, row_chunks, widen
 from .student import _finite_or_zero
 
 
@@ -40,14 +40,18 @@ def check_aligned(shards, vocab: int) -> int:
     return valid
 
 
-def scaled_chunks(student, teacher, start, stop, valid, temperature):
-    """Float32 ``z / T`` and ``t / T`` for rows ``[start, stop)``, first ``valid`` columns."""
-    a = student.float_chunk(start, stop, valid)
-    b = teacher.float_chunk(start, stop, valid)
+def scaled_chunks(student_low, teacher_low, temperature, out=(None, None)):
+    """Float32 ``z / T`` and ``t / T`` from chunks in the logits' dtypes (into ``out``)."""
+    a = widen(student_low, out=out[0])
+    b = widen(teacher_low, out=out[1])
     if temperature != 1.0:
         a.div_(temperature)
         b.div_(temperature)
     return a, b
+
+
+def _low_chunks(student, teacher, start, stop, valid):
+    return student.low_chunk(start, stop, valid), teacher.low_chunk(start, stop, valid)
 
 
 def chunk_statistics(a: torch.Tensor, b: torch.Tensor, reverse: bool) -> torch.Tensor:
@@ -129,7 +133,7 @@ class DenseKL(torch.autograd.Function):
         stats[:, :2] = float("-inf")
         per = chunk_rows(chunk_bytes, valid, n, student.element_size, buffers=3)
         for start, stop in row_chunks(n if valid else 0, per):
-            a, b = scaled_chunks(student, teacher, start, stop, valid, temperature)
+            a, b = scaled_chunks(*_low_chunks(student, teacher, start, stop, valid), temperature)
             stats[start:stop] = chunk_statistics(a, b, reverse)
             del a, b  # free this chunk's buffers before the next is allocated
         stats = combine(stats, reverse, group)
@@ -149,7 +153,7 @@ class DenseKL(torch.autograd.Function):
         sink = student.gradient(ctx.needs_input_grad[8:8 + n_student])
         per = chunk_rows(chunk_bytes, valid, student.count, student.element_size, buffers=2)
         for start, stop in row_chunks(student.count if valid else 0, per):
-            a, b = scaled_chunks(student, teacher, start, stop, valid, temperature)
+            a, b = scaled_chunks(*_low_chunks(student, teacher, start, stop, valid), temperature)
             chunk_gradient(a, b, stats.rows(start, stop), grad_loss[start:stop], temperature,
                            reverse)
             sink.add(start, stop, a, valid)
@@ -165,12 +169,14 @@ def scalar_loss_and_gradients(student, teacher, row_weight, temperature, reverse
     ``rows_per_chunk`` must be the same on every rank (statistics are combined per chunk)."""
     total = torch.zeros((), dtype=torch.float32, device=student.device)
     for start, stop in row_chunks(student.count, rows_per_chunk):
-        a, b = scaled_chunks(student, teacher, start, stop, valid, temperature)
-        stats = combine(chunk_statistics(a.clone(), b.clone(), reverse), reverse, group)
+        lows = _low_chunks(student, teacher, start, stop, valid)
+        a, b = scaled_chunks(*lows, temperature)
+        stats = combine(chunk_statistics(a, b, reverse), reverse, group)
+        scaled_chunks(*lows, temperature, out=(a, b))  # statistics consumed them: widen again
         weight = row_weight[start:stop]
         total += torch.where(weight != 0, stats.loss * weight, 0.0).sum()
         chunk_gradient(a, b, stats, weight, temperature, reverse)
         sink.add(start, stop, a, valid)
-        del a, b
+        del a, b, lows
     sink.finish(valid)
     return total

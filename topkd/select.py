@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks, parallel
-from ._rows import Rows, budget_bytes, chunk_rows, row_chunks
+from ._rows import Rows, budget_bytes, chunk_rows, row_chunks, widen
 
 # Indices must stay below this for the packed sort key; it also marks a padding candidate (a rank
 # whose shard is narrower than K), which the tie rule then ranks after every real entry.
@@ -149,7 +149,7 @@ def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes)
     per = chunk_rows(4 * budget_bytes(chunk_bytes, n, valid, rows.element_size),
                      valid, n, 4)
     for start, stop in row_chunks(n, per):
-        b = rows.float_chunk(start, stop, valid)  # the chunk's one large buffer
+        b = widen(rows.low_chunk(start, stop, valid))  # the chunk's one large buffer
         if temperature != 1.0:
             b.div_(temperature)
         if k_local < valid:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import parallel
-from ._rows import chunk_rows, row_chunks
+from ._rows import chunk_rows, row_chunks, widen
 from .divergence import bucket_kl
 
 _NEG_INF = float("-inf")
@@ -48,10 +48,11 @@ def local_columns(indices: torch.Tensor, offset: int, valid: int) -> torch.Tenso
     return torch.where(on_rank, local, torch.full_like(local, valid))
 
 
-def scaled_chunk(source, start: int, stop: int, valid: int, temperature: float) -> torch.Tensor:
-    """Float32 ``[r, valid + 1]`` buffer of ``z / T``; the spare last column is -inf."""
-    a = source.float_chunk(start, stop, valid, spare=1)
-    a[:, valid] = _NEG_INF
+def scaled_chunk(low: torch.Tensor, temperature: float, out=None) -> torch.Tensor:
+    """Float32 ``[r, valid + 1]`` buffer of ``z / T`` from the chunk ``low`` (``[r, valid]``
+    in the logits' dtype), into ``out`` if given; the spare last column is -inf."""
+    a = widen(low, spare=1, out=out)
+    a[:, -1] = _NEG_INF
     if temperature != 1.0:
         a.div_(temperature)
     return a
@@ -143,7 +144,7 @@ class SparseStudentLogProbs(torch.autograd.Function):
         rest_sum = torch.zeros(n, dtype=torch.float32, device=device)
         per = chunk_rows(chunk_bytes, valid + 1, n, source.element_size)
         for start, stop in row_chunks(n if valid else 0, per):
-            a = scaled_chunk(source, start, stop, valid, temperature)
+            a = scaled_chunk(source.low_chunk(start, stop, valid), temperature)
             selected[start:stop], rest_max[start:stop], rest_sum[start:stop] = \
                 chunk_statistics(a, columns[start:stop])
             del a  # free this chunk's buffer before the next is allocated
@@ -164,7 +165,7 @@ class SparseStudentLogProbs(torch.autograd.Function):
         sink = source.gradient(ctx.needs_input_grad[7:])
         per = chunk_rows(chunk_bytes, valid + 1, source.count, source.element_size)
         for start, stop in row_chunks(source.count if valid else 0, per):
-            a = scaled_chunk(source, start, stop, valid, temperature)
+            a = scaled_chunk(source.low_chunk(start, stop, valid), temperature)
             chunk_gradient(a, columns[start:stop].long(), _rows_slice(stats, start, stop),
                            grad_sel[start:stop], grad_rest[start:stop], temperature)
             sink.add(start, stop, a, valid)
@@ -185,9 +186,11 @@ def scalar_loss_and_gradients(source, teacher, row_weight, shard, valid, group, 
     temperature = teacher.temperature
     total = torch.zeros((), dtype=torch.float32, device=source.device)
     for start, stop in row_chunks(n, rows_per_chunk):
-        a = scaled_chunk(source, start, stop, valid, temperature)
+        low = source.low_chunk(start, stop, valid)
+        a = scaled_chunk(low, temperature)
         cols = columns[start:stop]
-        stats = combine(*chunk_statistics(a.clone(), cols), group)
+        stats = combine(*chunk_statistics(a, cols), group)
+        scaled_chunk(low, temperature, out=a)  # statistics consumed it: widen the chunk again
         weight = row_weight[start:stop]
         with torch.enable_grad():
             logp_sel = stats.logp_sel.requires_grad_()
@@ -199,6 +202,6 @@ def scalar_loss_and_gradients(source, teacher, row_weight, shard, valid, group, 
         total += loss.detach()
         chunk_gradient(a, cols, stats, grad_sel, grad_rest, temperature)
         sink.add(start, stop, a, valid)
-        del a
+        del a, low
     sink.finish(valid)
     return total
