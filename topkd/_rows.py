@@ -56,6 +56,10 @@ class Rows:
         """The first ``columns`` columns of rows ``[start, stop)`` in the logits' dtype."""
         return self.get(start, stop)[:, :columns]
 
+    def rows(self, start: int, stop: int) -> Rows:
+        """Rows ``[start, stop)`` as a source of their own (a chunk copy if not viewable)."""
+        return Rows(self.get(start, stop))
+
     def gradient(self, needs_grad) -> LogitsGradient:
         return LogitsGradient(self)
 
@@ -102,6 +106,9 @@ class LinearRows:
     def low_chunk(self, start: int, stop: int, columns: int) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[:columns]
         return F.linear(self.flat_hidden[start:stop], self.weight[:columns], bias)
+
+    def rows(self, start: int, stop: int) -> LinearRows:
+        return LinearRows(self.flat_hidden[start:stop], self.weight, self.bias)
 
     def gradient(self, needs_grad) -> LinearGradient:
         return LinearGradient(self, *needs_grad)

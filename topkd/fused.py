@@ -84,6 +84,14 @@ def _rows_per_chunk(chunk_bytes, shard, rows, weight, process_group, buffers) ->
     return chunk_rows(chunk_bytes, width, rows, weight.element_size(), buffers=buffers)
 
 
+def _teacher_slice(teacher: SparseTeacher, rows: int, start: int, stop: int) -> SparseTeacher:
+    k = teacher.k
+    return SparseTeacher(teacher.indices.reshape(rows, k)[start:stop],
+                         teacher.logprobs.reshape(rows, k)[start:stop],
+                         teacher.rest_logprob.reshape(rows)[start:stop],
+                         teacher.temperature, teacher.vocab_size)
+
+
 def _check_linear(prefix: str, hidden, weight, bias) -> None:
     """``hidden [..., H]``, ``weight [V_r, H]``, ``bias [V_r]`` or None, one float dtype."""
     _checks.logits(f"{prefix}hidden", hidden)
@@ -181,6 +189,7 @@ def fused_topk_kl_loss(
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
     lead_shape = hidden.shape[:-1]
     tensors = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
+    rows = lead_shape.numel()
     if isinstance(teacher, SparseTeacher):
         if k is not None and k != teacher.k:
             raise ValueError(f"k={k} differs from the SparseTeacher's K={teacher.k}")
@@ -191,39 +200,46 @@ def fused_topk_kl_loss(
             raise ValueError(f"temperature={temperature} differs from the SparseTeacher's "
                              f"temperature {teacher.temperature}")
         _checks.same_leading("hidden", lead_shape, "teacher", teacher.indices.shape[:-1])
-        shards = exchange_shards(process_group, {"student": weight.shape[0]}, lead_shape.numel())
+        shards = exchange_shards(process_group, {"student": weight.shape[0]}, rows)
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total))
         if vocab != teacher.vocab_size:
             raise ValueError(f"the teacher was normalized over vocab_size={teacher.vocab_size} "
                              f"but the student's vocabulary is {vocab}")
-        sparse = teacher
+
+        def teacher_rows(start, stop):
+            return _teacher_slice(teacher, rows, start, stop)
     else:
         kind, teacher_tensors, width = _teacher_source(teacher, lead_shape)
         if k is None:
             raise ValueError("k is required when the teacher is given as logits or as "
                              "(hidden, weight[, bias])")
         shards = exchange_shards(process_group, {"student": weight.shape[0], "teacher": width},
-                                 lead_shape.numel())
+                                 rows)
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                    ("teacher width", shards["teacher"].total))
         k = _checks.integer("k", k, 1, vocab)
-        sparse = select_rows(kind(*teacher_tensors), k, top_p, top_p_min_k, temperature, vocab,
-                             shards["teacher"], process_group, chunk_bytes)
+        teacher_source = kind(*teacher_tensors)
+
+        def teacher_rows(start, stop):
+            return select_rows(teacher_source.rows(start, stop), k, top_p, top_p_min_k,
+                               temperature, vocab, shards["teacher"], process_group,
+                               chunk_bytes, scale=1)
+
     shard = shards["student"]
     if _one_pass(tensors, reduction, process_group):
-        rows = lead_shape.numel()
         per = _rows_per_chunk(chunk_bytes, shard, rows, weight, process_group, buffers=2)
 
         def run(needs, *tensors):
             source = LinearRows(*tensors)
             sink = source.gradient(needs)
             loss = student.scalar_loss_and_gradients(
-                source, sparse, _row_weights(mask, reduction, rows, weight.device), shard,
+                source, teacher_rows, _row_weights(mask, reduction, rows, weight.device), shard,
                 shard.valid(vocab), process_group, per, sink, reverse=reverse,
                 normalize=normalize)
             return loss, sink
 
         return _PrecomputedLoss.apply(run, *tensors)
+    sparse = teacher_rows(0, rows)
     return sparse_from_rows(LinearRows, tensors, lead_shape, sparse, shard, vocab,
                             reverse=reverse, normalize=normalize, mask=mask,
                             reduction=reduction, process_group=process_group,

@@ -133,7 +133,7 @@ def _topk_ties_fixed(b: torch.Tensor, k: int):
     return canonical_order(values, indices)
 
 
-def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes):
+def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes, scale: int):
     """Per row of this shard's first ``valid`` columns: the top-k in canonical order (values,
     local indices; at most ``valid`` of them) and the rest's log-sum-exp as (max, log-sum)."""
     n, device = rows.count, rows.device
@@ -144,9 +144,7 @@ def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes)
     rest_logsum = torch.full_like(rest_max, float("-inf"))
     if valid == 0:
         return values, indices, rest_max, rest_logsum
-    # The teacher's selection runs before the student's backward allocates the gradient, so it
-    # can afford larger chunks than the student's loop.
-    per = chunk_rows(4 * budget_bytes(chunk_bytes, n, valid, rows.element_size),
+    per = chunk_rows(scale * budget_bytes(chunk_bytes, n, valid, rows.element_size),
                      valid, n, 4)
     for start, stop in row_chunks(n, per):
         b = widen(rows.low_chunk(start, stop, valid))  # the chunk's one large buffer
@@ -221,11 +219,16 @@ def select_topk(
 
 @torch.no_grad()
 def select_rows(rows, k, top_p, top_p_min_k, temperature, vocab, shard, process_group,
-                chunk_bytes) -> SparseTeacher:
+                chunk_bytes, scale: int = 4) -> SparseTeacher:
     """:func:`select_topk` after validation, from a row source (``Rows`` of teacher logits or
-    ``LinearRows`` of a teacher's LM head), with this rank's shard known."""
+    ``LinearRows`` of a teacher's LM head), with this rank's shard known.
+
+    The work buffers get ``scale`` times the chunk budget: the logits losses select before the
+    student's backward allocates its gradient, so the selection can afford larger chunks than
+    the student's loop (4); the fused losses, whose whole budget is small, pass 1.
+    """
     values, local_idx, rest_max, rest_logsum = _local_candidates(
-        rows, k, temperature, shard.valid(vocab), chunk_bytes
+        rows, k, temperature, shard.valid(vocab), chunk_bytes, scale
     )
     indices = local_idx + shard.offset
     if values.shape[-1] < k:  # this shard is narrower than k: pad so every rank sends [n, k]
@@ -237,9 +240,10 @@ def select_rows(rows, k, top_p, top_p_min_k, temperature, vocab, shard, process_
     out_indices = torch.empty(n, k, dtype=torch.int64, device=values.device)
     out_logprobs = torch.empty(n, k, dtype=torch.float32, device=values.device)
     out_rest = torch.empty(n, dtype=torch.float32, device=values.device)
-    # Merge in row blocks so the gathered candidates ([block, ranks * K]) stay within budget.
-    budget = budget_bytes(chunk_bytes, n, rows.width, rows.element_size)
-    per = max(1, budget // (24 * ranks * k))
+    # Merge in row blocks so the gathered candidates ([block, ranks * K]) stay within budget;
+    # the block size comes from numbers every rank shares (one all-gather per block).
+    budget = budget_bytes(chunk_bytes, n, -(-shard.total // ranks), rows.element_size)
+    per = max(1, scale * budget // (24 * ranks * k))
     for start, stop in row_chunks(n, per):
         block = _merge(values[start:stop], indices[start:stop], rest_max[start:stop],
                        rest_logsum[start:stop], k, top_p, top_p_min_k, process_group)

@@ -174,33 +174,33 @@ class SparseStudentLogProbs(torch.autograd.Function):
         return (None,) * 7 + tuple(sink.result())
 
 
-def scalar_loss_and_gradients(source, teacher, row_weight, shard, valid, group, rows_per_chunk,
-                              sink, *, reverse, normalize):
+def scalar_loss_and_gradients(source, teacher_rows, row_weight, shard, valid, group,
+                              rows_per_chunk, sink, *, reverse, normalize):
     """``sum(row_weight * loss)`` with the student's gradient added to ``sink`` on the way:
     one pass over the student, for losses reduced to a scalar (the upstream gradient of each
-    row's loss is its ``row_weight``). ``rows_per_chunk`` must be the same on every rank
-    (statistics are combined per chunk)."""
-    n, k = teacher.indices.shape[:-1].numel(), teacher.k
-    columns = local_columns(teacher.indices.reshape(n, k), shard.offset, valid)
-    logq_sel, logq_rest = teacher.logprobs.reshape(n, k), teacher.rest_logprob.reshape(n)
-    temperature = teacher.temperature
+    row's loss is its ``row_weight``). ``teacher_rows(start, stop)`` gives the chunk's
+    :class:`SparseTeacher`, so the ``[rows, K]`` targets exist one chunk at a time.
+    ``rows_per_chunk`` must be the same on every rank (statistics are combined per chunk)."""
     total = torch.zeros((), dtype=torch.float32, device=source.device)
-    for start, stop in row_chunks(n, rows_per_chunk):
+    for start, stop in row_chunks(source.count, rows_per_chunk):
+        teacher = teacher_rows(start, stop)
+        r, k = stop - start, teacher.k
+        cols = local_columns(teacher.indices.reshape(r, k), shard.offset, valid)
         low = source.low_chunk(start, stop, valid)
-        a = scaled_chunk(low, temperature)
-        cols = columns[start:stop]
+        a = scaled_chunk(low, teacher.temperature)
         stats = combine(*chunk_statistics(a, cols), group)
-        scaled_chunk(low, temperature, out=a)  # statistics consumed it: widen the chunk again
+        scaled_chunk(low, teacher.temperature, out=a)  # statistics consumed it: widen it again
         weight = row_weight[start:stop]
         with torch.enable_grad():
             logp_sel = stats.logp_sel.requires_grad_()
             logp_rest = stats.logp_rest.requires_grad_()
-            loss = bucket_kl(logp_sel, logp_rest, logq_sel[start:stop], logq_rest[start:stop],
-                             reverse=reverse, normalize=normalize)
+            loss = bucket_kl(logp_sel, logp_rest, teacher.logprobs.reshape(r, k),
+                             teacher.rest_logprob.reshape(r), reverse=reverse,
+                             normalize=normalize)
             loss = torch.where(weight != 0, loss * weight, 0.0).sum()
             grad_sel, grad_rest = torch.autograd.grad(loss, (logp_sel, logp_rest))
         total += loss.detach()
-        chunk_gradient(a, cols, stats, grad_sel, grad_rest, temperature)
+        chunk_gradient(a, cols, stats, grad_sel, grad_rest, teacher.temperature)
         sink.add(start, stop, a, valid)
         del a, low
     sink.finish(valid)
