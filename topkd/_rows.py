@@ -94,8 +94,10 @@ class LinearRows:
     is) and then widened to float32.
     """
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 stage_rows: int = 1):
         self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.stage_rows = stage_rows
         self.lead_shape = tuple(hidden.shape[:-1])
         self.count = math.prod(self.lead_shape)
         self.width = weight.shape[0]
@@ -108,23 +110,25 @@ class LinearRows:
         return F.linear(self.flat_hidden[start:stop], self.weight[:columns], bias)
 
     def rows(self, start: int, stop: int) -> LinearRows:
-        return LinearRows(self.flat_hidden[start:stop], self.weight, self.bias)
+        return LinearRows(self.flat_hidden[start:stop], self.weight, self.bias, self.stage_rows)
 
     def gradient(self, needs_grad) -> LinearGradient:
-        return LinearGradient(self, *needs_grad)
-
-
-# Rows of the weight gradient computed per product when the weight is bf16/fp16: the product's
-# own output is in that dtype, so it is made in tiles and added into the float32 accumulator.
-_WEIGHT_TILE_ROWS = 8192
+        return LinearGradient(self, *needs_grad, stage_rows=self.stage_rows)
 
 
 class LinearGradient:
     """Gradients of :class:`LinearRows`' hidden states, weight and bias, accumulated chunk by
-    chunk: hidden rows are written once, weight and bias add into float32 accumulators (the
-    only full-size buffers), returned in the inputs' dtypes."""
+    chunk: hidden rows are written once; the weight's and bias's add into float32
+    accumulators (the only full-size buffers), returned in the inputs' dtypes.
 
-    def __init__(self, rows: LinearRows, need_hidden: bool, need_weight: bool, need_bias: bool):
+    Adding into the weight's accumulator reads and writes all of it, and a product over few
+    rows runs far below the machine's speed, so the logits gradient is staged for
+    ``stage_rows`` rows (in the weight's dtype) and turned into both gradients by one product
+    each per stage rather than per chunk.
+    """
+
+    def __init__(self, rows: LinearRows, need_hidden: bool, need_weight: bool, need_bias: bool,
+                 stage_rows: int = 1):
         self.rows = rows
         h, w = rows.flat_hidden, rows.weight
         self.hidden = torch.zeros_like(h) if need_hidden else None
@@ -132,29 +136,63 @@ class LinearGradient:
             if need_weight else None
         self.bias = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) \
             if need_bias else None
+        self._stage = None
+        if (need_weight or need_hidden) and stage_rows > 1:
+            self._stage = torch.empty(min(stage_rows, rows.count), w.shape[0], dtype=w.dtype,
+                                      device=w.device)
+        self._staged = (0, 0)  # rows [first, first + count) are in the stage
+        self._columns = w.shape[0]
 
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
         """Add the contribution of logits gradient rows ``[start, stop)`` (float32; columns at
-        or past ``columns`` are vocabulary padding, whose gradient is zero)."""
-        rows = self.rows
-        weight = rows.weight[:columns]
+        or past ``columns`` are vocabulary padding, whose gradient is zero). Chunks arrive in
+        row order."""
         grad = grad_chunk[:, :columns]
-        grad_low = grad.to(weight.dtype)
-        if self.hidden is not None:
-            torch.mm(grad_low, weight, out=self.hidden[start:stop])
-        if self.weight is not None:
-            hidden = rows.flat_hidden[start:stop]
-            if weight.dtype == torch.float32:
-                self.weight[:columns].addmm_(grad_low.T, hidden)
-            else:
-                for lo in range(0, columns, _WEIGHT_TILE_ROWS):
-                    hi = min(columns, lo + _WEIGHT_TILE_ROWS)
-                    self.weight[lo:hi] += grad_low[:, lo:hi].T @ hidden
+        self._columns = columns
         if self.bias is not None:
             self.bias[:columns] += grad.sum(0)
+        if self._stage is None:
+            self._add_products(start, grad.to(self.rows.weight.dtype))
+            return
+        first, count = self._staged
+        if count + (stop - start) > self._stage.shape[0]:
+            self.flush()
+            first, count = start, 0
+        self._stage[count:count + stop - start, :columns].copy_(grad)  # in the weight's dtype
+        self._staged = (first if count else start, count + stop - start)
+
+    def flush(self) -> None:
+        first, count = self._staged
+        if count:
+            self._add_products(first, self._stage[:count, :self._columns])
+        self._staged = (0, 0)
+
+    def _add_products(self, start: int, grad_low: torch.Tensor) -> None:
+        """The hidden rows' and weight's gradients from logits gradient rows ``[start,
+        start + len(grad_low))`` in the weight's dtype: one product each, over many rows."""
+        rows, columns = self.rows, grad_low.shape[1]
+        if self.hidden is not None:
+            torch.mm(grad_low, rows.weight[:columns],
+                     out=self.hidden[start:start + grad_low.shape[0]])
+        if self.weight is None:
+            return
+        hidden = rows.flat_hidden[start:start + grad_low.shape[0]]
+        if grad_low.dtype == torch.float32:
+            self.weight[:columns].addmm_(grad_low.T, hidden)
+            return
+        # bf16/fp16: a product in that dtype would round each stage's contribution before it
+        # reaches the float32 accumulator, so the products run in float32, over column tiles
+        # of the stage (a float32 tile is at most half the stage's bytes).
+        hidden = hidden.float()
+        tile = max(1, columns // 2)
+        for lo in range(0, columns, tile):
+            hi = min(columns, lo + tile)
+            self.weight[lo:hi].addmm_(grad_low[:, lo:hi].T.float(), hidden)
 
     def finish(self, columns: int) -> None:
-        """After the chunk loop (the accumulators start at zero: nothing to do)."""
+        """After the chunk loop: add what is still staged, and drop the stage."""
+        self.flush()
+        self._stage = None
 
     def result(self, scale: torch.Tensor | None = None) -> tuple:
         """The gradients in the inputs' dtypes, times ``scale`` (the upstream gradient of a

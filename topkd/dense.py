@@ -54,12 +54,15 @@ def _low_chunks(student, teacher, start, stop, valid):
     return student.low_chunk(start, stop, valid), teacher.low_chunk(start, stop, valid)
 
 
-def chunk_statistics(a: torch.Tensor, b: torch.Tensor, reverse: bool) -> torch.Tensor:
+def chunk_statistics(a: torch.Tensor, b: torch.Tensor, reverse: bool, keep_diff: bool = False):
     """``[r, 5]``: student max, teacher max, student sum, teacher sum, weighted sum, this
-    shard's, each sum relative to this shard's max. ``a`` and ``b`` are consumed."""
+    shard's, each sum relative to this shard's max (0 for a max of -inf).
+
+    Leaves ``a = exp(a - max a)`` and ``b = exp(b - max b)``; with ``keep_diff`` also returns
+    ``w - o`` (both centered), else ``None``."""
     if a.shape[-1] == 0:  # a shard that is all vocabulary padding
         empty = torch.tensor([float("-inf"), float("-inf"), 0.0, 0.0, 0.0], device=a.device)
-        return empty.expand(a.shape[0], 5)
+        return empty.expand(a.shape[0], 5), (a if keep_diff else None)
     a_max, b_max = a.amax(-1), b.amax(-1)
     a.sub_(_finite_or_zero(a_max)[:, None])
     b.sub_(_finite_or_zero(b_max)[:, None])
@@ -68,9 +71,10 @@ def chunk_statistics(a: torch.Tensor, b: torch.Tensor, reverse: bool) -> torch.T
     o_sum = o.exp_().sum(-1)
     w_sum = w.exp_().sum(-1)
     # 0 * inf (a zero weight against a -inf log-prob) is NaN here and must count as 0.
-    weighted = torch.nansum(w.mul_(diff), -1)
+    weighted = torch.nansum(w * diff if keep_diff else diff.mul_(w), -1)
     a_sum, b_sum = (w_sum, o_sum) if reverse else (o_sum, w_sum)
-    return torch.stack([a_max, b_max, a_sum, b_sum, weighted], -1)
+    stats = torch.stack([a_max, b_max, a_sum, b_sum, weighted], -1)
+    return stats, (diff if keep_diff else None)
 
 
 @dataclass
@@ -134,7 +138,7 @@ class DenseKL(torch.autograd.Function):
         per = chunk_rows(chunk_bytes, valid, n, student.element_size, buffers=3)
         for start, stop in row_chunks(n if valid else 0, per):
             a, b = scaled_chunks(*_low_chunks(student, teacher, start, stop, valid), temperature)
-            stats[start:stop] = chunk_statistics(a, b, reverse)
+            stats[start:stop] = chunk_statistics(a, b, reverse)[0]
             del a, b  # free this chunk's buffers before the next is allocated
         stats = combine(stats, reverse, group)
         ctx.save_for_backward(stats.row_max, stats.a_sum, stats.b_sum, stats.loss, *tensors)
@@ -162,6 +166,23 @@ class DenseKL(torch.autograd.Function):
         return (None,) * 8 + tuple(sink.result()) + (None,) * (len(tensors) - n_student)
 
 
+def _gradient_from_exp(a, b, diff, local_max, stats: Statistics, grad_loss, temperature,
+                       reverse):
+    """``d loss / d z`` into ``a``, from what :func:`chunk_statistics` left: ``a``/``b`` the
+    exponentials relative to this shard's maxima ``local_max`` ``[r, 2]``, ``diff`` (reverse
+    KL) the centered ``a - b``."""
+    shift = _finite_or_zero(local_max) - stats.row_max  # this shard's max vs the global one
+    a_coef = grad_loss / (stats.a_sum * temperature) * torch.exp(shift[:, 0])
+    if reverse:  # p_j * (log p_j - log q_j - L)
+        offset = shift[:, 0] - shift[:, 1] - stats.a_sum.log() + stats.b_sum.log() - stats.loss
+        a.mul_(a_coef[:, None]).mul_(diff.add_(offset[:, None]))
+        torch.nan_to_num_(a, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    else:  # p_j - q_j
+        b_coef = grad_loss / (stats.b_sum * temperature) * torch.exp(shift[:, 1])
+        a.mul_(a_coef[:, None]).sub_(b.mul_(b_coef[:, None]))
+    return a
+
+
 def scalar_loss_and_gradients(student, teacher, row_weight, temperature, reverse, valid, group,
                               rows_per_chunk, sink):
     """``sum(row_weight * loss)`` with the student's gradient added to ``sink`` on the way:
@@ -169,14 +190,13 @@ def scalar_loss_and_gradients(student, teacher, row_weight, temperature, reverse
     ``rows_per_chunk`` must be the same on every rank (statistics are combined per chunk)."""
     total = torch.zeros((), dtype=torch.float32, device=student.device)
     for start, stop in row_chunks(student.count, rows_per_chunk):
-        lows = _low_chunks(student, teacher, start, stop, valid)
-        a, b = scaled_chunks(*lows, temperature)
-        stats = combine(chunk_statistics(a, b, reverse), reverse, group)
-        scaled_chunks(*lows, temperature, out=(a, b))  # statistics consumed them: widen again
+        a, b = scaled_chunks(*_low_chunks(student, teacher, start, stop, valid), temperature)
+        local, diff = chunk_statistics(a, b, reverse, keep_diff=reverse)
+        stats = combine(local, reverse, group)
         weight = row_weight[start:stop]
         total += torch.where(weight != 0, stats.loss * weight, 0.0).sum()
-        chunk_gradient(a, b, stats, weight, temperature, reverse)
+        _gradient_from_exp(a, b, diff, local[:, :2], stats, weight, temperature, reverse)
         sink.add(start, stop, a, valid)
-        del a, b, lows
+        del a, b, diff
     sink.finish(valid)
     return total

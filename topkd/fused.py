@@ -8,11 +8,13 @@ and bias's gradients. The teacher can be logits, a :class:`SparseTeacher`, or it
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from . import _checks, dense, parallel, student
-from ._rows import LinearRows, Rows, chunk_rows
+from ._rows import LinearRows, Rows, budget_bytes, chunk_rows
 from .losses import (
     _KL_OPTIONS,
     _check_options,
@@ -68,20 +70,23 @@ def _one_pass(tensors, reduction, process_group) -> bool:
             and any(t is not None and t.requires_grad for t in tensors))
 
 
-# The one-pass loops make the logits with a matrix product per chunk, which wants chunks of at
-# least ~64 rows to run near full speed; their default budget is therefore larger than the
-# logits losses' (still well inside 0.25 x the logits: see README, fused LM head).
-_FUSED_CHUNK_BYTES = 256 * 2**20
-_FUSED_FRACTION = 8
+# The fused loops make the logits with a matrix product per chunk, which wants chunks of at
+# least ~64 rows to run near full speed, and stage the logits gradient for the weight's
+# (see LinearGradient). By default they share a fifth of the bytes the logits would take
+# (at most 512 MiB): half for the chunk's buffers, half for the stage.
+_FUSED_CHUNK_BYTES = 512 * 2**20
+_FUSED_FRACTION = 5
 
 
-def _rows_per_chunk(chunk_bytes, shard, rows, weight, process_group, buffers) -> int:
-    """Rows per chunk from numbers every rank shares (statistics are combined per chunk)."""
+def _budget(chunk_bytes, shard, rows, weight, process_group):
+    """``(chunk budget, row width, stage rows)`` from numbers every rank shares (the one-pass
+    loops combine statistics per chunk, so every rank must cut the same chunks)."""
     width = -(-shard.total // parallel.world_size(process_group)) + 1
-    if chunk_bytes is None:
-        logits_bytes = rows * width * weight.element_size()
-        chunk_bytes = max(1, min(_FUSED_CHUNK_BYTES, logits_bytes // _FUSED_FRACTION))
-    return chunk_rows(chunk_bytes, width, rows, weight.element_size(), buffers=buffers)
+    element = weight.element_size()
+    total = chunk_bytes
+    if total is None:
+        total = max(1, min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION))
+    return total // 2, width, max(1, total // 2 // (width * element))
 
 
 def _teacher_slice(teacher: SparseTeacher, rows: int, start: int, stop: int) -> SparseTeacher:
@@ -219,18 +224,22 @@ def fused_topk_kl_loss(
                                    ("teacher width", shards["teacher"].total))
         k = _checks.integer("k", k, 1, vocab)
         teacher_source = kind(*teacher_tensors)
+        # One budget for the whole call (the chunks' own row counts would shrink it).
+        teacher_bytes = budget_bytes(chunk_bytes, rows, shards["teacher"].width,
+                                     teacher_source.element_size)
 
         def teacher_rows(start, stop):
             return select_rows(teacher_source.rows(start, stop), k, top_p, top_p_min_k,
                                temperature, vocab, shards["teacher"], process_group,
-                               chunk_bytes, scale=1)
+                               teacher_bytes, scale=1)
 
     shard = shards["student"]
+    budget, width, stage = _budget(chunk_bytes, shard, rows, weight, process_group)
     if _one_pass(tensors, reduction, process_group):
-        per = _rows_per_chunk(chunk_bytes, shard, rows, weight, process_group, buffers=2)
+        per = chunk_rows(budget, width, rows, weight.element_size(), buffers=2)
 
         def run(needs, *tensors):
-            source = LinearRows(*tensors)
+            source = LinearRows(*tensors, stage_rows=stage)
             sink = source.gradient(needs)
             loss = student.scalar_loss_and_gradients(
                 source, teacher_rows, _row_weights(mask, reduction, rows, weight.device), shard,
@@ -239,9 +248,9 @@ def fused_topk_kl_loss(
             return loss, sink
 
         return _PrecomputedLoss.apply(run, *tensors)
-    sparse = teacher_rows(0, rows)
-    return sparse_from_rows(LinearRows, tensors, lead_shape, sparse, shard, vocab,
-                            reverse=reverse, normalize=normalize, mask=mask,
+    student_kind = partial(LinearRows, stage_rows=stage)
+    return sparse_from_rows(student_kind, tensors, lead_shape, teacher_rows(0, rows), shard,
+                            vocab, reverse=reverse, normalize=normalize, mask=mask,
                             reduction=reduction, process_group=process_group,
                             chunk_bytes=chunk_bytes)
 
@@ -280,14 +289,15 @@ def fused_kl_loss(
                              lead_shape.numel())
     vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                ("teacher width", shards["teacher"].total))
+    rows = lead_shape.numel()
+    budget, width, stage = _budget(chunk_bytes, shards["student"], rows, weight, process_group)
     if _one_pass(tensors, reduction, process_group):
         shard = shards["student"]
-        rows = lead_shape.numel()
-        per = _rows_per_chunk(chunk_bytes, shard, rows, weight, process_group, buffers=5)
+        per = chunk_rows(budget, width, rows, weight.element_size(), buffers=5)
         dense.check_aligned(shards, vocab)
 
         def run(needs, *tensors):
-            source = LinearRows(*tensors)
+            source = LinearRows(*tensors, stage_rows=stage)
             sink = source.gradient(needs)
             loss = dense.scalar_loss_and_gradients(
                 source, kind(*teacher_tensors), _row_weights(mask, reduction, rows, weight.device),
@@ -295,10 +305,10 @@ def fused_kl_loss(
             return loss, sink
 
         return _PrecomputedLoss.apply(run, *tensors)
-    return dense_from_rows(LinearRows, tensors, kind, teacher_tensors, lead_shape, shards,
-                           vocab, temperature=temperature, reverse=reverse, mask=mask,
-                           reduction=reduction, process_group=process_group,
-                           chunk_bytes=chunk_bytes)
+    return dense_from_rows(partial(LinearRows, stage_rows=stage), tensors, kind,
+                           teacher_tensors, lead_shape, shards, vocab, temperature=temperature,
+                           reverse=reverse, mask=mask, reduction=reduction,
+                           process_group=process_group, chunk_bytes=chunk_bytes)
 
 
 class FusedTopKLogitsKLLoss(torch.nn.Module):

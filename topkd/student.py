@@ -102,9 +102,12 @@ def combine(selected, rest_max, rest_sum, group) -> Statistics:
     return Statistics(selected, row_max, total, rest_max, rest_sum, logp_sel, logp_rest)
 
 
-def chunk_gradient(a, columns, stats: Statistics, grad_sel, grad_rest, temperature):
-    """Overwrite ``a`` (the chunk's ``z / T``, float32) with ``d loss / d z`` for its rows.
+def chunk_gradient(a, columns, stats: Statistics, grad_sel, grad_rest, temperature,
+                   exp_max=None):
+    """Overwrite ``a`` with ``d loss / d z`` for the chunk's rows.
 
+    ``a`` is the chunk's ``z / T`` (float32), or, with ``exp_max`` ``[r]``, what
+    :func:`chunk_statistics` left in it: ``exp(a_j - exp_max)`` on this shard's ghost entries.
     ``stats``, ``grad_sel`` and ``grad_rest`` are those rows' slices. Unused slots have
     ``logp = -inf`` and zero gradient from the divergence; off-rank slots scatter into the
     spare column, which the caller drops.
@@ -114,7 +117,11 @@ def chunk_gradient(a, columns, stats: Statistics, grad_sel, grad_rest, temperatu
     ghost = grad_norm * torch.exp(stats.rest_max - stats.row_max) / stats.total
     ghost = ghost + torch.where(has_rest, grad_rest / stats.rest_sum.clamp_min(1e-38), 0.0)
     ghost = torch.where(has_rest, ghost, 0.0) / temperature
-    a.sub_(_finite_or_zero(stats.rest_max)[:, None]).exp_().mul_(ghost[:, None])
+    rest_max = _finite_or_zero(stats.rest_max)
+    if exp_max is None:
+        a.sub_(rest_max[:, None]).exp_().mul_(ghost[:, None])
+    else:  # exp(a_j - M_g) = exp(a_j - exp_max) * exp(exp_max - M_g), the factor <= 1
+        a.mul_((ghost * torch.exp(_finite_or_zero(exp_max) - rest_max))[:, None])
     kept = torch.exp(stats.selected - stats.row_max[:, None])
     kept.mul_((grad_norm / stats.total)[:, None]).add_(grad_sel).div_(temperature)
     a.scatter_(1, columns, kept)
@@ -186,10 +193,9 @@ def scalar_loss_and_gradients(source, teacher_rows, row_weight, shard, valid, gr
         teacher = teacher_rows(start, stop)
         r, k = stop - start, teacher.k
         cols = local_columns(teacher.indices.reshape(r, k), shard.offset, valid)
-        low = source.low_chunk(start, stop, valid)
-        a = scaled_chunk(low, teacher.temperature)
-        stats = combine(*chunk_statistics(a, cols), group)
-        scaled_chunk(low, teacher.temperature, out=a)  # statistics consumed it: widen it again
+        a = scaled_chunk(source.low_chunk(start, stop, valid), teacher.temperature)
+        selected, local_max, local_sum = chunk_statistics(a, cols)  # a: exp(a - local_max)
+        stats = combine(selected, local_max, local_sum, group)
         weight = row_weight[start:stop]
         with torch.enable_grad():
             logp_sel = stats.logp_sel.requires_grad_()
@@ -200,8 +206,8 @@ def scalar_loss_and_gradients(source, teacher_rows, row_weight, shard, valid, gr
             loss = torch.where(weight != 0, loss * weight, 0.0).sum()
             grad_sel, grad_rest = torch.autograd.grad(loss, (logp_sel, logp_rest))
         total += loss.detach()
-        chunk_gradient(a, cols, stats, grad_sel, grad_rest, teacher.temperature)
+        chunk_gradient(a, cols, stats, grad_sel, grad_rest, teacher.temperature, local_max)
         sink.add(start, stop, a, valid)
-        del a, low
+        del a
     sink.finish(valid)
     return total
