@@ -1,0 +1,734 @@
+"""Fused LM-head losses (issue 3): fused_topk_kl_loss, fused_kl_loss and their modules.
+
+The fused losses take the student's hidden states and LM head instead of its logits. They must
+equal the unfused losses on ``F.linear(hidden, weight, bias)`` (loss and the gradients of
+hidden, weight and bias) to float32 rounding, for every teacher kind (logits, SparseTeacher,
+``(teacher_hidden, teacher_weight[, teacher_bias])``) and option; in bf16 they are compared
+with a float64 chain-rule reference. Also: non-contiguous hidden states, frozen parameters,
+the modules, the memory bound of SPEC 4 / issue 3, and the input checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference as ref
+import torch
+import torch.nn.functional as F
+from helpers import LOSS_RTOL, assert_bf16_grad_close, assert_loss_close, grad_err
+
+import topkd
+
+LEAD = (3, 5)  # 15 rows
+H = 32  # student hidden width
+H_T = 24  # teacher hidden width (differs from the student's on purpose)
+V = 96
+K = 5
+
+# float32, fused vs unfused: the same float32 math in another chunking/summation order, on
+# logits that differ by float32 rounding (a one-row product is not bit-identical to the whole
+# matrix's). Each path is within ~1.6e-6 of max|g| of float64 for reverse KL (rounding of the
+# log terms), so they differ by up to twice that; a real error is O(1e-2) or more.
+F32_LOSS_RTOL = 2e-6
+F32_GRAD_TOL = 5e-6  # max |fused - unfused| / max |unfused|, per gradient
+
+TEACHERS = ["logits", "sparse", "pair", "pair_bias"]
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _data(dtype=torch.float32, seed=0, lead=LEAD, v=V, bias=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    d = {
+        "h": rnd(*lead, H),
+        "W": rnd(v, H, scale=2.0 / H ** 0.5),  # student logits ~ N(0, 4)
+        "b": rnd(v, scale=0.5) if bias else None,
+        "t": rnd(*lead, v, scale=2.5),  # teacher logits (the "logits" teacher)
+        "th": rnd(*lead, H_T),
+        "tW": rnd(v, H_T, scale=2.5 / H_T ** 0.5),
+        "tb": rnd(v, scale=0.5),
+    }
+    d = {n: None if x is None else x.to(dtype) for n, x in d.items()}
+    d["go"] = rnd(*lead).float()  # non-uniform upstream gradient for reduction="none"
+    return d
+
+
+def _teacher_logits(d, teacher):
+    """The teacher's logits as the unfused loss sees them (F.linear in the teacher's dtype)."""
+    if teacher in ("logits", "sparse"):
+        return d["t"]
+    return F.linear(d["th"], d["tW"], d["tb"] if teacher == "pair_bias" else None)
+
+
+def _fused_teacher(d, teacher):
+    if teacher in ("logits", "sparse"):
+        return d["t"]
+    if teacher == "pair":
+        return (d["th"], d["tW"])
+    return (d["th"], d["tW"], d["tb"])
+
+
+def _leaf(x, requires=True):
+    return None if x is None else x.detach().clone().requires_grad_(requires)
+
+
+def _backward(loss, go):
+    loss.backward(go if loss.dim() else None)
+
+
+def run_pair(d, loss, teacher, opts, *, view=None, requires=(True, True, True), mask=None):
+    """Run the fused loss and its unfused equivalent on fresh leaves of the same inputs.
+
+    ``loss`` is "topk" or "kl"; ``teacher`` one of TEACHERS; ``opts`` the options (k included
+    for "topk"). Returns ``(fused, unfused)``, each ``(loss, grad_h, grad_W, grad_b)``.
+    """
+    opts = dict(opts)
+    if mask is not None:
+        opts["mask"] = mask
+    view = view or (lambda x: x)
+    k = opts.pop("k", None)
+    results = []
+    for fused in (True, False):
+        h, w, b = (_leaf(d[n], r) for n, r in zip("hWb", requires, strict=True))
+        hv = view(h)
+        if fused:
+            if teacher == "sparse":
+                st = topkd.select_topk(view(d["t"]), k, top_p=opts.get("top_p"),
+                                       top_p_min_k=opts.get("top_p_min_k", 1),
+                                       temperature=opts.get("temperature", 1.0),
+                                       vocab_size=opts.get("vocab_size"))
+                o = {n: x for n, x in opts.items() if n not in ("top_p", "top_p_min_k")}
+                out = topkd.fused_topk_kl_loss(hv, w, st, bias=b, **o)
+            elif loss == "topk":
+                out = topkd.fused_topk_kl_loss(hv, w, _view_all(_fused_teacher(d, teacher), view),
+                                               k, bias=b, **opts)
+            else:
+                out = topkd.fused_kl_loss(hv, w, _view_all(_fused_teacher(d, teacher), view),
+                                          bias=b, **opts)
+        else:
+            # F.linear on the leaf, then the view: on a non-contiguous 3-D input F.linear may
+            # round the product and the bias add separately in bf16 (torch CPU); the fused
+            # path computes a contiguous row block with one rounding, like the leaf's layout.
+            z = view(F.linear(h, w, b))
+            t = view(_teacher_logits(d, teacher))
+            if teacher == "sparse":
+                st = topkd.select_topk(t, k, top_p=opts.get("top_p"),
+                                       top_p_min_k=opts.get("top_p_min_k", 1),
+                                       temperature=opts.get("temperature", 1.0),
+                                       vocab_size=opts.get("vocab_size"))
+                o = {n: x for n, x in opts.items()
+                     if n not in ("top_p", "top_p_min_k", "temperature")}
+                out = topkd.sparse_kl_loss(z, st, **o)
+            elif loss == "topk":
+                out = topkd.topk_kl_loss(z, t, k, **opts)
+            else:
+                out = topkd.kl_loss(z, t, **opts)
+        if out.requires_grad:
+            _backward(out, view(d["go"]))
+        results.append((out.detach(), h.grad, w.grad, None if b is None else b.grad))
+    return results
+
+
+def _view_all(teacher, view):
+    if isinstance(teacher, tuple):
+        return (view(teacher[0]), *teacher[1:])
+    return view(teacher)
+
+
+def assert_fused_equals_unfused(fused, unfused, dtype, what=""):
+    lf, *gf = fused
+    lu, *gu = unfused
+    assert lf.dtype == torch.float32, lf.dtype
+    # Per row, relative to the batch's loss scale (as tp_worker._compare): a row whose KL is
+    # small is a sum of O(1) terms, and the fused and unfused logits themselves differ by
+    # float32 rounding (a one-row product is not bit-identical to the whole matrix's).
+    rtol = F32_LOSS_RTOL if dtype == torch.float32 else LOSS_RTOL
+    assert_loss_close(lf, lu.to(torch.float64), rtol=rtol,
+                      atol=rtol * float(lu.abs().mean()) + 1e-12, what=f"{what} loss")
+    errors = []
+    for name, a, b in zip(("hidden", "weight", "bias"), gf, gu, strict=True):
+        if b is None:
+            assert a is None, f"{what} {name}: fused gave a gradient, unfused none"
+            continue
+        assert a is not None, f"{what} {name}: no fused gradient"
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, a.shape, b.shape)
+        assert torch.isfinite(a).all(), f"{what} {name} gradient not finite"
+        e = grad_err(a, b.to(torch.float64))
+        if e > F32_GRAD_TOL:
+            errors.append(f"{name}: max err / max|unfused| = {e:.3e} > {F32_GRAD_TOL}")
+    assert not errors, f"{what}: " + "; ".join(errors)
+
+
+# ----------------------------------------------------------------------------- cases
+
+TOPK_CASES = [
+    ("k5", dict(k=K)),
+    ("k1", dict(k=1)),
+    ("kV", dict(k=V)),
+    ("reverse", dict(k=K, reverse=True)),
+    ("T0.7", dict(k=K, temperature=0.7)),
+    ("top_p", dict(k=12, top_p=0.7, top_p_min_k=2)),
+    ("top_p-reverse-T1.3", dict(k=12, top_p=0.8, reverse=True, temperature=1.3)),
+    ("normalize_topk", dict(k=K, normalize="topk")),
+    ("normalize_topk-reverse-top_p", dict(k=12, normalize="topk", reverse=True, top_p=0.6)),
+]
+KL_CASES = [
+    ("kl", dict()),
+    ("kl-reverse-T0.8", dict(reverse=True, temperature=0.8)),
+]
+
+
+def _top_p_ok(d, teacher, opts):
+    """The float32 and float64 top-p decisions agree on these inputs (not at a boundary)."""
+    if opts.get("top_p") is None:
+        return
+    t = _teacher_logits(d, teacher)
+    sel = ref.select(t, opts["k"], top_p=opts["top_p"], top_p_min_k=opts.get("top_p_min_k", 1),
+                     temperature=opts.get("temperature", 1.0))
+    m = ref.top_p_margin(sel, opts["top_p"], opts.get("top_p_min_k", 1))
+    assert m > 1e-5, f"test input too close to a top-p boundary ({m})"
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, None],
+                         ids=["chunk1row", "chunk3000B", "chunkDefault"])
+@pytest.mark.parametrize("teacher", TEACHERS)
+@pytest.mark.parametrize("case", TOPK_CASES, ids=[c[0] for c in TOPK_CASES])
+def test_topk_fp32_equals_unfused(case, teacher, chunk_bytes):
+    name, opts = case
+    # bias and no bias across the matrix (every case has both, with some teacher)
+    bias = TOPK_CASES.index(case) % 2 == TEACHERS.index(teacher) % 2
+    d = _data(seed=1, bias=bias)
+    _top_p_ok(d, teacher, opts)
+    fused, unfused = run_pair(d, "topk", teacher, dict(opts, chunk_bytes=chunk_bytes))
+    assert_fused_equals_unfused(fused, unfused, torch.float32, f"{name} {teacher}")
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("chunk_bytes", [1, None], ids=["chunk1row", "chunkDefault"])
+@pytest.mark.parametrize("teacher", ["logits", "pair", "pair_bias"])
+@pytest.mark.parametrize("case", KL_CASES, ids=[c[0] for c in KL_CASES])
+def test_kl_fp32_equals_unfused(case, teacher, chunk_bytes, bias):
+    name, opts = case
+    d = _data(seed=2, bias=bias)
+    fused, unfused = run_pair(d, "kl", teacher, dict(opts, chunk_bytes=chunk_bytes))
+    assert_fused_equals_unfused(fused, unfused, torch.float32, f"{name} {teacher}")
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("loss,teacher,opts", [
+    ("topk", "logits", dict(k=K)),
+    ("topk", "sparse", dict(k=K, temperature=1.5, reverse=True)),
+    ("topk", "pair_bias", dict(k=12, top_p=0.8)),
+    ("kl", "logits", dict()),
+    ("kl", "pair", dict(reverse=True)),
+], ids=["topk-logits", "topk-sparse", "topk-pair_bias-top_p", "kl-logits", "kl-pair"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mask_and_reductions_equal_unfused(loss, teacher, opts, reduction, dtype):
+    d = _data(dtype, seed=3)
+    mask = torch.rand(LEAD, generator=torch.Generator().manual_seed(5)) < 0.6
+    assert mask.any() and not mask.all()
+    fused, unfused = run_pair(d, loss, teacher, dict(opts, reduction=reduction, chunk_bytes=1),
+                              mask=mask)
+    assert (fused[0].dim() == 0) == (reduction != "none")
+    if dtype == torch.float32:
+        assert_fused_equals_unfused(fused, unfused, dtype, f"{loss} {teacher} {reduction}")
+    else:
+        assert_loss_close(fused[0], unfused[0].double(), rtol=LOSS_RTOL,
+                          atol=LOSS_RTOL * float(unfused[0].abs().mean()))
+    # masked rows: zero loss, zero hidden gradient
+    if reduction == "none":
+        assert torch.all(fused[0][~mask] == 0)
+    assert torch.all(fused[1][~mask] == 0), "masked rows got a hidden gradient"
+    assert fused[1][mask].abs().amax() > 0
+
+
+@pytest.mark.parametrize("loss,teacher,opts", [
+    ("topk", "logits", dict(k=K)),
+    ("topk", "pair_bias", dict(k=12, top_p=0.8, reverse=True)),
+    ("topk", "sparse", dict(k=K)),
+    ("kl", "pair", dict()),
+], ids=["topk-logits", "topk-pair_bias", "topk-sparse", "kl-pair"])
+def test_padded_vocabulary(loss, teacher, opts):
+    """vocab_size below the weight's rows (Megatron's padding): equal to the unfused loss with
+    the same vocab_size, and the padding rows of the weight and bias get zero gradient."""
+    d = _data(seed=16, v=V + 4)
+    fused, unfused = run_pair(d, loss, teacher, dict(opts, vocab_size=V, chunk_bytes=1))
+    assert_fused_equals_unfused(fused, unfused, torch.float32, f"vocab_size {loss} {teacher}")
+    assert torch.all(fused[2][V:] == 0) and torch.all(fused[3][V:] == 0)
+    assert fused[2][:V].abs().amax() > 0
+
+
+@pytest.mark.parametrize("loss", ["topk", "kl"])
+def test_mean_with_no_kept_row_is_zero_with_zero_gradients(loss):
+    d = _data(seed=4)
+    mask = torch.zeros(LEAD, dtype=torch.bool)
+    opts = dict(k=K) if loss == "topk" else {}
+    fused, _ = run_pair(d, loss, "pair_bias", dict(opts, reduction="mean"), mask=mask)
+    assert float(fused[0]) == 0.0
+    for g in fused[1:]:
+        assert g is not None and torch.all(g == 0)
+
+
+# --------------------------------------------------------------- float64 reference, bf16
+
+
+def _reference(d, loss, teacher, opts, *, view=None, mask=None, go=None):
+    """Float64 loss and chain-rule gradients: dz64 = d loss / d z at the student logits
+    z = F.linear(hidden, weight, bias) as computed in their dtype (upcast exactly), then
+    grad_h = dz64 @ W64, grad_W = dz64^T @ h64, grad_b = sum of dz64 over rows."""
+    view = view or (lambda x: x)
+    h, w, b = d["h"], d["W"], d["b"]
+    z = view(F.linear(h, w, b))  # see run_pair
+    t = view(_teacher_logits(d, teacher))
+    opts = dict(opts)
+    opts.pop("chunk_bytes", None)
+    if mask is not None:
+        opts["mask"] = mask
+    if loss == "topk":
+        k = opts.pop("k")
+        fn, args = ref.topk_kl, (t, k)
+    else:
+        fn, args = ref.full_kl, (t,)
+    red = opts.get("reduction", "none")
+    l64, dz = ref.loss_and_grad(fn, z, *args, grad_output=go if red == "none" else None, **opts)
+    # back through the view to the leaf's layout
+    zs = torch.zeros(*h.shape[:-1], w.shape[0], dtype=torch.float64)
+    view(zs).copy_(dz)
+    dz2 = zs.reshape(-1, w.shape[0])
+    h64 = h.to(torch.float64).reshape(-1, h.shape[-1])
+    gh = (dz2 @ w.to(torch.float64)).reshape(h.shape)
+    gw = dz2.T @ h64
+    gb = None if b is None else dz2.sum(0)
+    return l64, gh, gw, gb
+
+
+def _assert_f32_close_to_reference(result, refr, what):
+    loss, *grads = result
+    l64, *rgrads = refr
+    assert_loss_close(loss, l64, what=f"{what} loss")
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads, strict=True):
+        if r is None:
+            continue
+        e = grad_err(g, r)
+        assert e <= 1e-5, f"{what} {name}: max err / max|ref| = {e:.3e} > 1e-5"
+
+
+def _assert_bf16_close_to_reference(result, refr, what):
+    """bf16: loss within 1e-5 relative of float64 (SPEC 4); each gradient element within one
+    bf16 ulp of the float64 chain-rule gradient rounded to bf16, plus 1e-5 of its max
+    magnitude (helpers.assert_bf16_grad_close). Achievable: a float32 logits gradient pushed
+    through the two products in float32 and rounded once lands within 1 ulp on these inputs.
+    All three gradients are checked before failing, so the report names every one that is off.
+    """
+    loss, *grads = result
+    l64, *rgrads = refr
+    assert_loss_close(loss, l64, what=f"{what} loss")
+    errors = []
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads, strict=True):
+        if r is None:
+            continue
+        try:
+            assert_bf16_grad_close(g, r, what=f"{name} gradient")
+            assert g.dtype == torch.bfloat16
+        except AssertionError as e:
+            errors.append(f"{e} (max err / max|ref| = {grad_err(g, r):.2e})")
+    assert not errors, f"{what}:\n" + "\n".join(errors)
+
+
+REF_CASES = [
+    ("topk", "logits", dict(k=K)),
+    ("topk", "pair_bias", dict(k=12, top_p=0.8, reverse=True, temperature=1.3)),
+    ("topk", "sparse", dict(k=K, normalize="topk")),
+    ("kl", "pair", dict(temperature=0.8)),
+]
+REF_IDS = ["topk-logits", "topk-pair_bias-top_p-reverse-T", "topk-sparse-normtopk", "kl-pair"]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, None], ids=["chunk1row", "chunkDefault"])
+@pytest.mark.parametrize("loss,teacher,opts", REF_CASES, ids=REF_IDS)
+def test_fp32_matches_float64_reference(loss, teacher, opts, chunk_bytes):
+    d = _data(seed=6)
+    if loss == "topk":
+        _top_p_ok(d, teacher, opts)
+    fused, _ = run_pair(d, loss, teacher, dict(opts, chunk_bytes=chunk_bytes))
+    _assert_f32_close_to_reference(fused, _reference(d, loss, teacher, opts, go=d["go"]),
+                                   f"{loss} {teacher}")
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("chunk_bytes", [1, None], ids=["chunk1row", "chunkDefault"])
+@pytest.mark.parametrize("loss,teacher,opts", REF_CASES, ids=REF_IDS)
+def test_bf16_matches_float64_reference(loss, teacher, opts, chunk_bytes, reduction):
+    d = _data(torch.bfloat16, seed=7, lead=(4, 16), v=300)
+    if loss == "topk":
+        _top_p_ok(d, teacher, opts)
+    opts = dict(opts, reduction=reduction)
+    fused, unfused = run_pair(d, loss, teacher, dict(opts, chunk_bytes=chunk_bytes))
+    # the loss also equals the unfused loss
+    assert_loss_close(fused[0], unfused[0].double(), rtol=LOSS_RTOL,
+                      atol=LOSS_RTOL * float(unfused[0].abs().mean()), what="vs unfused")
+    _assert_bf16_close_to_reference(fused, _reference(d, loss, teacher, opts, go=d["go"]),
+                                    f"{loss} {teacher} {reduction}")
+
+
+# --------------------------------------------------------------- layout, frozen parameters
+
+
+@pytest.mark.parametrize("loss,teacher,opts", [
+    ("topk", "logits", dict(k=K, top_p=0.8, reverse=True)),
+    ("topk", "sparse", dict(k=K)),
+    ("topk", "pair_bias", dict(k=K, temperature=0.9)),
+    ("kl", "pair", dict()),
+], ids=["topk-logits", "topk-sparse", "topk-pair_bias", "kl-pair"])
+@pytest.mark.parametrize("chunk_bytes", [1, None], ids=["chunk1row", "chunkDefault"])
+def test_noncontiguous_hidden(loss, teacher, opts, chunk_bytes):
+    """hidden is the [S, B, H] transposed view of a [B, S, H] tensor (Megatron's layout); the
+    teacher (logits or hidden states) and the mask are the same kind of view."""
+    d = _data(seed=8)
+    view = lambda x: x.transpose(0, 1)  # noqa: E731
+    assert not view(d["h"]).is_contiguous()
+    mask = view(torch.rand(LEAD, generator=torch.Generator().manual_seed(9)) < 0.7)
+    fused, unfused = run_pair(d, loss, teacher, dict(opts, chunk_bytes=chunk_bytes), view=view,
+                              mask=mask)
+    assert fused[0].shape == (LEAD[1], LEAD[0])
+    assert fused[1].shape == d["h"].shape
+    assert_fused_equals_unfused(fused, unfused, torch.float32, "[S,B,H] view")
+    if loss == "topk" and teacher != "sparse":
+        _assert_f32_close_to_reference(
+            fused, _reference(d, loss, teacher, opts, view=view, mask=mask, go=view(d["go"])),
+            "[S,B,H] view vs float64")
+
+
+def test_noncontiguous_hidden_bf16():
+    d = _data(torch.bfloat16, seed=10, lead=(4, 16), v=300)
+    view = lambda x: x.transpose(0, 1)  # noqa: E731
+    fused, unfused = run_pair(d, "topk", "pair", dict(k=8, chunk_bytes=1), view=view)
+    assert_loss_close(fused[0], unfused[0].double(), rtol=LOSS_RTOL)
+    _assert_bf16_close_to_reference(fused, _reference(d, "topk", "pair", dict(k=8), view=view,
+                                                      go=view(d["go"])), "bf16 [S,B,H] view")
+
+
+REQUIRES = [(True, False, True), (False, True, True), (True, True, False), (True, False, False),
+            (False, False, True), (False, True, False)]
+
+
+@pytest.mark.parametrize("requires", REQUIRES,
+                         ids=["frozen_weight", "frozen_hidden", "frozen_bias", "hidden_only",
+                              "bias_only", "weight_only"])
+@pytest.mark.parametrize("loss,teacher,opts", [
+    ("topk", "logits", dict(k=K)),
+    ("kl", "pair_bias", dict(reverse=True)),
+], ids=["topk", "kl"])
+def test_frozen_parameters(requires, loss, teacher, opts):
+    """Gradients go to exactly the inputs that require grad (e.g. a frozen LM head)."""
+    d = _data(seed=11)
+    fused, unfused = run_pair(d, loss, teacher, dict(opts, chunk_bytes=1), requires=requires)
+    for name, r, g in zip(("hidden", "weight", "bias"), requires, fused[1:], strict=True):
+        assert (g is not None) == r, f"{name}: requires_grad={r} but grad is {g}"
+    assert_fused_equals_unfused(fused, unfused, torch.float32, f"requires={requires}")
+
+
+def test_nothing_requires_grad():
+    d = _data(seed=12)
+    loss = topkd.fused_topk_kl_loss(d["h"], d["W"], d["t"], K, bias=d["b"])
+    assert not loss.requires_grad
+    z = F.linear(d["h"], d["W"], d["b"])
+    torch.testing.assert_close(loss, topkd.topk_kl_loss(z, d["t"], K), rtol=2e-6, atol=1e-7)
+
+
+def test_no_grad_mode():
+    d = _data(seed=12)
+    h = d["h"].clone().requires_grad_(True)
+    with torch.no_grad():
+        loss = topkd.fused_kl_loss(h, d["W"], d["t"])
+    assert not loss.requires_grad and loss.shape == LEAD
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _module_and_function_grads(call, d):
+    h, w, b = (_leaf(d[n]) for n in "hWb")
+    loss = call(h, w, b)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("teacher", ["logits", "pair_bias"])
+def test_modules_equal_functions(teacher):
+    d = _data(seed=13)
+    tt = _fused_teacher(d, teacher)
+    mask = torch.rand(LEAD, generator=torch.Generator().manual_seed(1)) < 0.5
+    opts = dict(top_p=0.9, temperature=0.8, reverse=True, reduction="mean", chunk_bytes=4096)
+    mod = topkd.FusedTopKLogitsKLLoss(8, **opts)
+    assert isinstance(mod, torch.nn.Module)
+    a = _module_and_function_grads(lambda h, w, b: mod(h, w, tt, bias=b, mask=mask), d)
+    f = _module_and_function_grads(lambda h, w, b: topkd.fused_topk_kl_loss(
+        h, w, tt, 8, bias=b, mask=mask, **opts), d)
+    for x, y in zip(a, f, strict=True):
+        assert torch.equal(x, y)
+    mod = topkd.FusedLogitsKLLoss(temperature=1.2, reduction="sum")
+    assert isinstance(mod, torch.nn.Module)
+    a = _module_and_function_grads(lambda h, w, b: mod(h, w, tt, bias=b, mask=mask), d)
+    f = _module_and_function_grads(lambda h, w, b: topkd.fused_kl_loss(
+        h, w, tt, bias=b, mask=mask, temperature=1.2, reduction="sum"), d)
+    for x, y in zip(a, f, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_sparse_teacher_module_takes_k_from_teacher():
+    d = _data(seed=14)
+    st = topkd.select_topk(d["t"], 7, temperature=2.0)
+    a = topkd.FusedTopKLogitsKLLoss(temperature=2.0)(d["h"], d["W"], st, bias=d["b"])
+    b = topkd.sparse_kl_loss(F.linear(d["h"], d["W"], d["b"]), st)
+    torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    # the same k as the teacher's is accepted
+    c = topkd.fused_topk_kl_loss(d["h"], d["W"], st, 7, bias=d["b"], temperature=2.0)
+    assert torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------- memory
+
+MEM_ROWS, MEM_H, MEM_V, MEM_K = 512, 256, 32000, 512
+MEM_BOUND = 0.25  # x the bytes of the student logits [rows, V] in bf16 (SPEC 4, issue 3)
+
+
+def _memory_inputs(teacher):
+    g = torch.Generator().manual_seed(0)
+
+    def bf16(*shape, scale):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    h = bf16(MEM_ROWS, MEM_H, scale=1.0).requires_grad_(True)
+    w = bf16(MEM_V, MEM_H, scale=2.0 / MEM_H ** 0.5).requires_grad_(True)
+    b = bf16(MEM_V, scale=0.5).requires_grad_(True)
+    if teacher == "logits":
+        t = bf16(MEM_ROWS, MEM_V, scale=2.5)
+    else:
+        t = (bf16(MEM_ROWS, MEM_H, scale=1.0), bf16(MEM_V, MEM_H, scale=2.5 / MEM_H ** 0.5))
+    return h, w, b, t
+
+
+def _peak_not_counting(fn, allowed):
+    """SPEC 4's profiler method (as test_memory._peak_above_start): the running sum of the
+    allocator's signed [memory] events in time order, bytes above what was allocated when
+    profiling began. ``allowed`` maps an allocation size in bytes to how many live blocks of
+    that size are not counted (the returned gradients, the float32 weight accumulator) while
+    they are live. Returns ``(peak not counting them, raw peak)``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert events, "the profiler recorded no [memory] events"
+    events.sort(key=lambda e: e.start_ns())
+    live = dict.fromkeys(allowed, 0)
+    cur = peak = raw = 0
+    for e in events:
+        n = e.nbytes()
+        cur += n
+        if abs(n) in live:
+            live[abs(n)] += 1 if n > 0 else -1
+        exempt = sum(size * min(max(live[size], 0), count) for size, count in allowed.items())
+        peak = max(peak, cur - exempt)
+        raw = max(raw, cur)
+    return peak, raw
+
+
+@pytest.mark.parametrize("teacher,chunk_bytes", [("logits", None), ("pair", 1 << 20)],
+                         ids=["logits-chunkDefault", "pair-chunk1MiB"])
+def test_peak_memory_bound(teacher, chunk_bytes):
+    """Peak bytes above the inputs during forward + backward, not counting the returned
+    gradients and one float32 accumulator of the weight's shape, <= 0.25 x the bytes of the
+    student logits [rows, V] in bf16 (issue 3). K / V as at SPEC 4's shape (4,096 / 248,320)."""
+    h, w, b, t = _memory_inputs(teacher)
+
+    def step():
+        out = topkd.fused_topk_kl_loss(h, w, t, MEM_K, bias=b, chunk_bytes=chunk_bytes,
+                                       reduction="mean")
+        out.backward()
+
+    sizes = [h.numel() * 2, w.numel() * 2, b.numel() * 2]  # the returned bf16 gradients
+    allowed = {}
+    for size in sizes + [w.numel() * 4]:  # + one float32 accumulator of the weight's shape
+        allowed[size] = allowed.get(size, 0) + 1
+    peak, raw = _peak_not_counting(step, allowed)
+    for x in (h, w, b):
+        assert x.grad is not None and x.grad.dtype == torch.bfloat16
+    logits_bytes = MEM_ROWS * MEM_V * 2
+    # the measurement is not vacuous: it sees the returned gradients themselves
+    assert raw >= sum(sizes), f"raw peak {raw} below the returned gradients' {sum(sizes)} bytes"
+    ratio = peak / logits_bytes
+    print(f"fused topk {teacher} chunk={chunk_bytes}: {ratio:.3f} x logits "
+          f"(raw peak {raw / 2**20:.1f} MiB)")
+    assert ratio <= MEM_BOUND, (
+        f"peak {peak / 2**20:.1f} MiB not counting gradients and the float32 accumulator = "
+        f"{ratio:.3f} x the student logits ({logits_bytes / 2**20:.1f} MiB); raw peak "
+        f"{raw / 2**20:.1f} MiB")
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+ERR = (ValueError, TypeError)
+_HEAVY = {"linear", "mm", "addmm", "matmul", "bmm", "topk", "sort", "logsumexp", "softmax",
+          "log_softmax", "exp", "exp_"}
+
+
+class _WorkRecorder(torch.overrides.TorchFunctionMode):
+    """Records heavy torch calls (products, exponentials, selection) made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name.strip("_") in _HEAVY or name in _HEAVY:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _raises_before_work(exc, match, fn):
+    rec = _WorkRecorder()
+    with rec, pytest.raises(exc, match=match) as e:
+        fn()
+    assert not rec.calls, f"work done before the error {e.value!r}: {rec.calls}"
+    return e
+
+
+def _bad():
+    d = _data(seed=15)
+    return d["h"], d["W"], d["b"], d["t"]
+
+
+BAD = {
+    # name: (exception, match, callable(h, W, b, t))
+    "width_mismatch": (ValueError, "weight", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h[..., :-1], w, t, K, bias=b)),
+    "width_mismatch_kl": (ValueError, "weight", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w[:, :-1], t, bias=b)),
+    "weight_1d": (ValueError, "weight", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w[0], t, K)),
+    "weight_3d": (ValueError, "weight", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w[None], t)),
+    "weight_not_tensor": (ERR, "weight", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w.tolist(), t)),
+    "bias_wrong_shape": (ValueError, "bias", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, t, K, bias=b[:-1])),
+    "bias_2d": (ValueError, "bias", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, t, bias=b[None])),
+    "hidden_weight_dtypes": (TypeError, "weight", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h.bfloat16(), w, t, K)),
+    "bias_dtype": (TypeError, "bias", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, t, bias=b.bfloat16())),
+    "teacher_pair_dtypes": (TypeError, "teacher", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, (h, w.bfloat16()))),
+    "hidden_not_tensor": (TypeError, "hidden", lambda h, w, b, t: topkd.fused_kl_loss(
+        h.tolist(), w, t)),
+    "hidden_int": (TypeError, "hidden", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h.long(), w, t, K)),
+    "teacher_list": (TypeError, "teacher", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, [h, w], K)),
+    "teacher_4_tuple": (TypeError, "teacher", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, (h, w, b, b))),
+    "teacher_1_tuple": (TypeError, "teacher", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, (h,))),
+    "teacher_leading_shape": (ValueError, "teacher", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, t[:2], K)),
+    "teacher_pair_leading_shape": (ValueError, "teacher", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, (h[:2], w))),
+    "teacher_pair_width": (ValueError, "teacher", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, (h, w[:, :-1]), K)),
+    "teacher_pair_bias": (ValueError, "teacher", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, (h, w, b[:-1]))),
+    "teacher_vocab_width": (ValueError, str(V + 4), lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, torch.cat([t, t[..., :4]], -1), K)),
+    "k_missing_logits": (ValueError, r"\bk\b", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, t)),
+    "k_missing_pair": (ValueError, r"\bk\b", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, (h, w, b))),
+    "k_too_large": (ValueError, r"\bk\b", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, t, V + 1)),
+    "k_zero": (ValueError, r"\bk\b", lambda h, w, b, t: topkd.fused_topk_kl_loss(h, w, t, 0)),
+    "mask_shape": (ValueError, "mask", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, t, K, mask=torch.ones(LEAD[0], dtype=torch.bool))),
+    "reduction": (ValueError, "reduction", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, t, reduction="avg")),
+    "temperature": (ValueError, "temperature", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, t, K, temperature=0.0)),
+    "top_p": (ValueError, "top_p", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, t, K, top_p=1.5)),
+    "normalize": (ValueError, "normalize", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h, w, t, K, normalize="sparse")),
+    "chunk_bytes": (ERR, "chunk_bytes", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, t, chunk_bytes=0)),
+    "vocab_size": (ValueError, "vocab_size", lambda h, w, b, t: topkd.fused_kl_loss(
+        h, w, t, vocab_size=V + 1)),
+}
+
+
+def test_work_recorder_sees_work():
+    """The recorder used below is not vacuous: a valid call is seen doing work."""
+    h, w, b, t = _bad()
+    for call in (lambda: topkd.fused_topk_kl_loss(h, w, t, K, bias=b),
+                 lambda: topkd.fused_kl_loss(h, w, (h, w), bias=b)):
+        rec = _WorkRecorder()
+        with rec:
+            call()
+        assert "linear" in rec.calls, rec.calls
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_inputs_raise_before_any_work(name):
+    exc, match, fn = BAD[name]
+    h, w, b, t = _bad()
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    _raises_before_work(exc, match, lambda: fn(h, w, b, t))
+    assert h.grad is None and w.grad is None
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(k=K + 1), r"\bk\b"),
+    (dict(k=K, top_p=0.9), "top_p"),
+    (dict(k=K, temperature=1.0), "temperature"),
+    (dict(temperature=2.5), "temperature"),
+], ids=["k", "top_p", "temperature_default", "temperature"])
+def test_sparse_teacher_option_conflicts(bad, match):
+    h, w, b, t = _bad()
+    st = topkd.select_topk(t, K, temperature=2.0)
+    bad = dict(bad)
+    k = bad.pop("k", None)
+    _raises_before_work(ValueError, match,
+                        lambda: topkd.fused_topk_kl_loss(h, w, st, k, bias=b, **bad))
+    # module form
+    _raises_before_work(ValueError, match,
+                        lambda: topkd.FusedTopKLogitsKLLoss(k, **bad)(h, w, st, bias=b))
+
+
+def test_sparse_teacher_shape_and_vocab_mismatch():
+    h, w, b, t = _bad()
+    st = topkd.select_topk(t[:2], K)
+    _raises_before_work(ValueError, "teacher", lambda: topkd.fused_topk_kl_loss(h, w, st))
+    st = topkd.select_topk(t[..., :-1], K)  # normalized over V - 1
+    _raises_before_work(ValueError, "vocab_size", lambda: topkd.fused_topk_kl_loss(h, w, st))
+
+
+def test_fused_kl_loss_refuses_sparse_teacher():
+    h, w, b, t = _bad()
+    st = topkd.select_topk(t, K)
+    _raises_before_work(TypeError, "SparseTeacher", lambda: topkd.fused_kl_loss(h, w, st))
+    _raises_before_work(TypeError, "SparseTeacher",
+                        lambda: topkd.FusedLogitsKLLoss()(h, w, st, bias=b))
+
+
+def test_module_bad_options():
+    with pytest.raises(ERR, match=r"\bk\b"):
+        topkd.FusedTopKLogitsKLLoss(0)
+    with pytest.raises(ERR, match="bogus"):
+        topkd.FusedTopKLogitsKLLoss(4, bogus=1)
+    with pytest.raises(ERR, match="top_p"):
+        topkd.FusedLogitsKLLoss(top_p=0.9)  # no top_p for the full-vocabulary loss
