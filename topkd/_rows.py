@@ -151,7 +151,8 @@ class LinearGradient:
         self._columns = columns
         if self.bias is not None:
             self.bias[:columns] += grad.sum(0)
-        if self._stage is None:
+        if self._stage is None or stop - start > self._stage.shape[0]:
+            self.flush()
             self._add_products(start, grad.to(self.rows.weight.dtype))
             return
         first, count = self._staged
@@ -163,7 +164,7 @@ class LinearGradient:
 
     def flush(self) -> None:
         first, count = self._staged
-        if count:
+        if count and self._stage is not None:
             self._add_products(first, self._stage[:count, :self._columns])
         self._staged = (0, 0)
 

@@ -70,12 +70,13 @@ def _one_pass(tensors, reduction, process_group) -> bool:
             and any(t is not None and t.requires_grad for t in tensors))
 
 
-# The fused loops make the logits with a matrix product per chunk, which wants chunks of at
-# least ~64 rows to run near full speed, and stage the logits gradient for the weight's
-# (see LinearGradient). By default they share a fifth of the bytes the logits would take
-# (at most 512 MiB): half for the chunk's buffers, half for the stage.
+# The fused loops make the logits with a matrix product per chunk, which wants chunks of ~50
+# rows or more to run near full speed, and stage the logits gradient for the products that
+# make the hidden states' and weight's gradients (see LinearGradient), which want ~100 rows or
+# more. By default they share a sixth of the bytes the logits would take (at most 512 MiB):
+# 60% for the chunk's buffers, 40% for the stage.
 _FUSED_CHUNK_BYTES = 512 * 2**20
-_FUSED_FRACTION = 5
+_FUSED_FRACTION = 6
 
 
 def _budget(chunk_bytes, shard, rows, weight, process_group):
@@ -86,7 +87,7 @@ def _budget(chunk_bytes, shard, rows, weight, process_group):
     total = chunk_bytes
     if total is None:
         total = max(1, min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION))
-    return total // 2, width, max(1, total // 2 // (width * element))
+    return total * 3 // 5, width, max(1, total * 2 // 5 // (width * element))
 
 
 def _teacher_slice(teacher: SparseTeacher, rows: int, start: int, stop: int) -> SparseTeacher:

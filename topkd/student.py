@@ -204,7 +204,9 @@ def scalar_loss_and_gradients(source, teacher_rows, row_weight, shard, valid, gr
                              teacher.rest_logprob.reshape(r), reverse=reverse,
                              normalize=normalize)
             loss = torch.where(weight != 0, loss * weight, 0.0).sum()
-            grad_sel, grad_rest = torch.autograd.grad(loss, (logp_sel, logp_rest))
+            # normalize="topk" leaves logp_rest out: its gradient is zero.
+            grad_sel, grad_rest = torch.autograd.grad(loss, (logp_sel, logp_rest),
+                                                      allow_unused=True, materialize_grads=True)
         total += loss.detach()
         chunk_gradient(a, cols, stats, grad_sel, grad_rest, teacher.temperature, local_max)
         sink.add(start, stop, a, valid)
