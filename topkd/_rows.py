@@ -2,8 +2,9 @@
 
 The losses treat every leading position as one row. A contiguous (or otherwise viewable)
 tensor is flattened to ``[rows, V]`` as a view; a tensor whose leading dimensions cannot be
-viewed as one (a transposed ``[s, b, v]`` tensor, say) is read and written one chunk of rows at
-a time through advanced indexing, so only that chunk is ever copied.
+viewed as one (a transposed ``[s, b, v]`` tensor, say) is read one chunk of rows at a time
+through advanced indexing, so only that chunk is ever copied. A fused LM head's logits are made
+one chunk at a time by a matrix product and never exist whole.
 """
 
 from __future__ import annotations

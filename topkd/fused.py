@@ -163,7 +163,8 @@ def fused_topk_kl_loss(
     chunk_bytes: int | None = None,
     reduce_hidden_grad: bool = False,
 ) -> torch.Tensor:
-    """:func:`topkd.topk_kl_loss` of ``hidden @ weight.T + bias``, never holding those logits.
+    """:func:`topkd.topk_kl_loss` of ``F.linear(hidden, weight, bias)``, never holding those
+    logits.
 
     Args:
         hidden: the student's final hidden states ``[..., H]`` (float32/bfloat16/float16).
@@ -271,7 +272,7 @@ def fused_kl_loss(
     chunk_bytes: int | None = None,
     reduce_hidden_grad: bool = False,
 ) -> torch.Tensor:
-    """:func:`topkd.kl_loss` of ``hidden @ weight.T + bias``, never holding those logits.
+    """:func:`topkd.kl_loss` of ``F.linear(hidden, weight, bias)``, never holding those logits.
 
     ``teacher`` is teacher logits ``[..., V_r]`` or ``(teacher_hidden, teacher_weight
     [, teacher_bias])`` (sharded like ``weight`` under tensor parallelism). Everything else as
