@@ -83,23 +83,30 @@ def mask(value, lead_shape: tuple[int, ...]) -> None:
         )
 
 
+# Vocabulary indices travel as int32 and sort under a packed int64 key (see select.py).
+MAX_VOCAB = 2**31 - 2
+
+
 def vocab_size(value, *widths: tuple[str, int]) -> int:
     """The vocabulary the distributions live on: ``value`` or the common width.
 
     ``widths`` are ``(name, full width)`` pairs; without ``value`` they must agree, and with it,
     ``value`` must fit inside each.
     """
+    seen = ", ".join(f"{n} {w}" for n, w in widths)
     if value is None:
         if len({w for _, w in widths}) > 1:
-            seen = ", ".join(f"{n} {w}" for n, w in widths)
             raise ValueError(
                 f"vocabulary widths differ ({seen}); pass vocab_size= no larger than the "
                 f"smallest to use the common prefix"
             )
-        return widths[0][1]
-    smallest = min(w for _, w in widths)
-    seen = ", ".join(f"{n} {w}" for n, w in widths)
-    return integer(f"vocab_size (vocabulary widths: {seen})", value, 1, smallest)
+        value = widths[0][1]
+    else:
+        value = integer(f"vocab_size (vocabulary widths: {seen})", value, 1,
+                        min(w for _, w in widths))
+    if value > MAX_VOCAB:
+        raise ValueError(f"vocabularies up to {MAX_VOCAB} entries are supported, got {value}")
+    return value
 
 
 def chunk_bytes(value) -> int | None:

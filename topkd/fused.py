@@ -20,7 +20,6 @@ from .losses import (
     _check_options,
     _common_checks,
     dense_from_rows,
-    exchange_shards,
     sparse_from_rows,
 )
 from .select import SparseTeacher, select_rows
@@ -207,7 +206,7 @@ def fused_topk_kl_loss(
             raise ValueError(f"temperature={temperature} differs from the SparseTeacher's "
                              f"temperature {teacher.temperature}")
         _checks.same_leading("hidden", lead_shape, "teacher", teacher.indices.shape[:-1])
-        shards = exchange_shards(process_group, {"student": weight.shape[0]}, rows)
+        shards = parallel.exchange_shards(process_group, {"student": weight.shape[0]}, rows)
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total))
         if vocab != teacher.vocab_size:
             raise ValueError(f"the teacher was normalized over vocab_size={teacher.vocab_size} "
@@ -220,8 +219,8 @@ def fused_topk_kl_loss(
         if k is None:
             raise ValueError("k is required when the teacher is given as logits or as "
                              "(hidden, weight[, bias])")
-        shards = exchange_shards(process_group, {"student": weight.shape[0], "teacher": width},
-                                 rows)
+        widths = {"student": weight.shape[0], "teacher": width}
+        shards = parallel.exchange_shards(process_group, widths, rows)
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                    ("teacher width", shards["teacher"].total))
         k = _checks.integer("k", k, 1, vocab)
@@ -287,8 +286,8 @@ def fused_kl_loss(
                         "or (hidden, weight[, bias]); use fused_topk_kl_loss for a "
                         "SparseTeacher")
     kind, teacher_tensors, width = _teacher_source(teacher, lead_shape)
-    shards = exchange_shards(process_group, {"student": weight.shape[0], "teacher": width},
-                             lead_shape.numel())
+    widths = {"student": weight.shape[0], "teacher": width}
+    shards = parallel.exchange_shards(process_group, widths, lead_shape.numel())
     vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                ("teacher width", shards["teacher"].total))
     rows = lead_shape.numel()

@@ -16,18 +16,6 @@ from .select import SparseTeacher, select_rows
 from .student import SparseStudentLogProbs
 
 
-def exchange_shards(group, widths: dict[str, int], rows: int) -> dict[str, parallel.Shard]:
-    """Exchange shapes once; every rank validates the same numbers, so all raise together."""
-    shapes = parallel.exchange_shapes(group, [*widths.values(), rows])
-    row_counts = [s[-1] for s in shapes]
-    if len(set(row_counts)) > 1:
-        raise ValueError(f"the number of rows differs across ranks: {row_counts}")
-    rank = parallel.rank_in(group)
-    return {
-        name: parallel.shard_of([s[i] for s in shapes], rank) for i, name in enumerate(widths)
-    }
-
-
 def reduce_rows(loss: torch.Tensor, mask, reduction: str, lead_shape) -> torch.Tensor:
     if mask is not None:
         mask = mask.reshape(-1)
@@ -104,8 +92,8 @@ def sparse_kl_loss(
     _checks.choice("normalize", normalize, _checks.NORMALIZE)
     _checks.same_leading("student_logits", student_logits.shape[:-1],
                          "teacher", teacher.indices.shape[:-1])
-    shard = exchange_shards(process_group, {"student": student_logits.shape[-1]},
-                            student_logits.shape[:-1].numel())["student"]
+    shard = parallel.exchange_shards(process_group, {"student": student_logits.shape[-1]},
+                                     student_logits.shape[:-1].numel())["student"]
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shard.total))
     if vocab != teacher.vocab_size:
         raise ValueError(
@@ -150,9 +138,8 @@ def topk_kl_loss(
     _checks.choice("normalize", normalize, _checks.NORMALIZE)
     temperature = _checks.temperature(temperature)
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
-    shards = exchange_shards(process_group, {"student": student_logits.shape[-1],
-                                             "teacher": teacher_logits.shape[-1]},
-                             student_logits.shape[:-1].numel())
+    widths = {"student": student_logits.shape[-1], "teacher": teacher_logits.shape[-1]}
+    shards = parallel.exchange_shards(process_group, widths, student_logits.shape[:-1].numel())
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shards["student"].total),
                                ("teacher_logits", shards["teacher"].total))
     k = _checks.integer("k", k, 1, vocab)
@@ -195,9 +182,8 @@ def kl_loss(
     _checks.same_leading("student_logits", student_logits.shape[:-1],
                          "teacher_logits", teacher_logits.shape[:-1])
     temperature = _checks.temperature(temperature)
-    shards = exchange_shards(process_group, {"student": student_logits.shape[-1],
-                                             "teacher": teacher_logits.shape[-1]},
-                             student_logits.shape[:-1].numel())
+    widths = {"student": student_logits.shape[-1], "teacher": teacher_logits.shape[-1]}
+    shards = parallel.exchange_shards(process_group, widths, student_logits.shape[:-1].numel())
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shards["student"].total),
                                ("teacher_logits", shards["teacher"].total))
     return dense_from_rows(Rows, (student_logits,), Rows, (teacher_logits.detach(),),

@@ -30,27 +30,31 @@ class Shard:
         return max(0, min(self.width, vocab_size - self.offset))
 
 
-def exchange_shapes(group, local: list[int]) -> list[list[int]]:
-    """All ranks' ``local`` integer lists, in rank order (one small all-gather).
+def exchange_shards(group, widths: dict[str, int], rows: int) -> dict[str, Shard]:
+    """Each named tensor's shard on this rank, from every rank's widths (one small all-gather
+    of a few integers).
 
-    Used to agree on shard offsets and to validate shapes identically on every rank, so that a
-    bad input raises the same error everywhere instead of leaving some ranks in a collective.
+    Every rank validates the same gathered numbers, so a bad input raises the same error on
+    all ranks instead of leaving some of them waiting in a collective.
     """
+    local = [*widths.values(), rows]
     if group is None:
-        return [list(local)]
-    device = _device(group)
-    mine = torch.tensor(local, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    return [t.tolist() for t in everyone]
-
-
-def shard_of(widths: list[int], rank_index: int) -> Shard:
-    return Shard(offset=sum(widths[:rank_index]), width=widths[rank_index], total=sum(widths))
-
-
-def rank_in(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+        shapes = [local]
+    else:
+        mine = torch.tensor(local, dtype=torch.int64, device=_device(group))
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        shapes = [t.tolist() for t in everyone]
+    row_counts = [s[-1] for s in shapes]
+    if len(set(row_counts)) > 1:
+        raise ValueError(f"the number of rows differs across ranks: {row_counts}")
+    rank = 0 if group is None else dist.get_rank(group)
+    shards = {}
+    for i, name in enumerate(widths):
+        all_widths = [s[i] for s in shapes]
+        shards[name] = Shard(offset=sum(all_widths[:rank]), width=all_widths[rank],
+                             total=sum(all_widths))
+    return shards
 
 
 def all_reduce_max_(tensor: torch.Tensor, group) -> torch.Tensor:

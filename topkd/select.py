@@ -205,12 +205,8 @@ def select_topk(
     temperature = _checks.temperature(temperature)
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
     chunk_bytes = _checks.chunk_bytes(chunk_bytes)
-    shapes = parallel.exchange_shapes(
-        process_group, [teacher_logits.shape[-1], teacher_logits.shape[:-1].numel()]
-    )
-    if len({s[1] for s in shapes}) > 1:
-        raise ValueError(f"teacher_logits rows differ across ranks: {[s[1] for s in shapes]}")
-    shard = parallel.shard_of([s[0] for s in shapes], parallel.rank_in(process_group))
+    shard = parallel.exchange_shards(process_group, {"teacher": teacher_logits.shape[-1]},
+                                     teacher_logits.shape[:-1].numel())["teacher"]
     vocab = _checks.vocab_size(vocab_size, ("teacher_logits", shard.total))
     k = _checks.integer("k", k, 1, vocab)
     return select_rows(Rows(teacher_logits), k, top_p, top_p_min_k, temperature, vocab, shard,
