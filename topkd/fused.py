@@ -1,6 +1,6 @@
 """KD losses with the student's LM head fused in: the student's logits never exist whole.
 
-``hidden @ weight.T + bias`` is computed one chunk of rows at a time, inside the same loops
+``F.linear(hidden, weight, bias)`` is computed one chunk of rows at a time, inside the same loops
 that the logits losses run, and its gradient goes straight into the hidden states', weight's
 and bias's gradients. The teacher can be logits, a :class:`SparseTeacher`, or its own
 ``(hidden, weight[, bias])``, whose logits are likewise made chunk by chunk under no grad.
@@ -64,7 +64,7 @@ def _row_weights(mask, reduction: str, rows: int, device) -> torch.Tensor:
     return weight
 
 
-def _one_pass(tensors, reduction, process_group) -> bool:
+def _one_pass(tensors, reduction) -> bool:
     return (reduction != "none" and torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in tensors))
 
@@ -236,7 +236,7 @@ def fused_topk_kl_loss(
 
     shard = shards["student"]
     budget, width, stage = _budget(chunk_bytes, shard, rows, weight, process_group)
-    if _one_pass(tensors, reduction, process_group):
+    if _one_pass(tensors, reduction):
         per = chunk_rows(budget, width, rows, weight.element_size(), buffers=2)
 
         def run(needs, *tensors):
@@ -292,7 +292,7 @@ def fused_kl_loss(
                                ("teacher width", shards["teacher"].total))
     rows = lead_shape.numel()
     budget, width, stage = _budget(chunk_bytes, shards["student"], rows, weight, process_group)
-    if _one_pass(tensors, reduction, process_group):
+    if _one_pass(tensors, reduction):
         shard = shards["student"]
         per = chunk_rows(budget, width, rows, weight.element_size(), buffers=5)
         dense.check_aligned(shards, vocab)
