@@ -148,3 +148,15 @@ def assert_teacher_matches(st, ref, *, k, vocab_size, temperature, lp_atol=2e-6,
     assert torch.all(st.rest_logprob[~rfin] == float("-inf")), st.rest_logprob[~rfin]
     torch.testing.assert_close(st.rest_logprob[rfin].to(torch.float64), rr[rfin],
                                rtol=rest_rtol, atol=rest_atol)
+
+
+def memory_events(fn):
+    """Run fn() under the profiler with profile_memory=True; return the allocator's signed
+    [memory] events in time order (SPEC section 4's method)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert events, "the profiler recorded no [memory] events"
+    events.sort(key=lambda e: e.start_ns())
+    return events

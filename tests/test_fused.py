@@ -14,7 +14,7 @@ import pytest
 import reference as ref
 import torch
 import torch.nn.functional as F
-from helpers import LOSS_RTOL, assert_loss_close, grad_err
+from helpers import LOSS_RTOL, assert_loss_close, grad_err, memory_events
 
 import topkd
 
@@ -521,12 +521,7 @@ def _peak_not_counting(fn, allowed):
     profiling began. ``allowed`` maps an allocation size in bytes to how many live blocks of
     that size are not counted (the returned gradients, the float32 weight accumulator) while
     they are live. Returns ``(peak not counting them, raw peak)``."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    assert events, "the profiler recorded no [memory] events"
-    events.sort(key=lambda e: e.start_ns())
+    events = memory_events(fn)
     live = dict.fromkeys(allowed, 0)
     cur = peak = raw = 0
     for e in events:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import memory_events
 
 import topkd
 
@@ -16,14 +17,8 @@ BOUND = 1.25  # x the student logits' bytes; 1.0 of it is the gradient
 def _peak_above_start(fn):
     """Run fn() under the profiler; return the running maximum of the allocator's signed
     [memory] events in time order (bytes above what was allocated when profiling began)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    assert events, "the profiler recorded no [memory] events"
-    events.sort(key=lambda e: e.start_ns())
     cur = peak = 0
-    for e in events:
+    for e in memory_events(fn):
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak
