@@ -655,6 +655,8 @@ def build_parser():
         description="Benchmark topkd's KD losses against the plain float32 implementation: peak "
                     "memory above the inputs (profiler method), forward + backward time, error "
                     "vs float64. Every case runs in its own memory-capped process.",
+        epilog="Fused LM-head section (fused_topk_kl_loss / fused_kl_loss vs F.linear + the "
+               "loss and Liger-Kernel): 'topkd-bench fused --help'.",
     )
     p.add_argument("--rows", type=_parse_rows, nargs="+", default=[[256, 1024, 4096]],
                    help="sequence lengths (rows of logits), e.g. '256 1024' or 256,1024 "
@@ -697,6 +699,11 @@ def build_parser():
 
 
 def main(argv=None) -> int:
+    rest = sys.argv[1:] if argv is None else list(argv)
+    if rest and rest[0] in ("fused", "--fused"):  # the fused LM-head section: bench/fused.py
+        from topkd.bench import fused
+
+        return fused.main(rest[1:])
     args = build_parser().parse_args(argv)
     args.rows = [r for group in args.rows for r in group]
     if args.child:
