@@ -117,6 +117,37 @@ class LinearRows:
         return LinearGradient(self, *needs_grad, stage_rows=self.stage_rows)
 
 
+class BlockedRows:
+    """A row source whose logits are made ``block_rows`` rows at a time and then read in
+    smaller chunks: the matrix product of a fused LM head runs far faster over ~100+ rows than
+    over the few rows a float32 work chunk can afford. Chunks must be requested in order."""
+
+    def __init__(self, source, block_rows: int):
+        self.source, self.block_rows = source, max(1, block_rows)
+        for name in ("count", "width", "device", "element_size", "lead_shape"):
+            setattr(self, name, getattr(source, name))
+        self._block = (0, 0, None)  # rows [first, last) of the held block, or no block
+
+    def low_chunk(self, start: int, stop: int, columns: int) -> torch.Tensor:
+        first, last, block = self._block
+        if block is None or start < first or stop > last or block.shape[1] != columns:
+            block = self._block = None  # drop the old block before making the next one
+            last = min(self.count, start + max(self.block_rows, stop - start))
+            block = self.source.low_chunk(start, last, columns)
+            first, self._block = start, (start, last, block)
+        return block[start - first:stop - first]
+
+    def rows(self, start: int, stop: int) -> Rows:
+        return Rows(self.low_chunk(start, stop, self.width))
+
+    def gradient(self, needs_grad):
+        return self.source.gradient(needs_grad)
+
+
+# A stage of at least this many rows makes the weight's product in the weight's dtype.
+_ROUNDED_PRODUCT_ROWS = 64
+
+
 class LinearGradient:
     """Gradients of :class:`LinearRows`' hidden states, weight and bias, accumulated chunk by
     chunk: hidden rows are written once; the weight's and bias's add into float32
@@ -182,9 +213,19 @@ class LinearGradient:
         if grad_low.dtype == torch.float32:
             self.weight[:columns].addmm_(grad_low.T, hidden)
             return
-        # bf16/fp16: a product in that dtype would round each stage's contribution before it
-        # reaches the float32 accumulator, so the products run in float32, over column tiles
-        # of the stage (a float32 tile is at most half the stage's bytes).
+        count = grad_low.shape[0]
+        if count >= _ROUNDED_PRODUCT_ROWS:
+            # A product over a whole stage runs at the dtype's full speed; rounding its output
+            # once per stage costs far less than the bf16 rounding of the logits gradient
+            # itself, which the unfused path has too. Tiles keep the output (and its float32
+            # copy for the addition) within half the stage's bytes.
+            tile = max(1, count * columns // (6 * hidden.shape[1]))
+            for lo in range(0, columns, tile):
+                hi = min(columns, lo + tile)
+                self.weight[lo:hi].add_(grad_low[:, lo:hi].T @ hidden)
+            return
+        # Over few rows that rounding would be per row: run the products in float32 instead
+        # (a float32 tile is at most half the stage's bytes).
         hidden = hidden.float()
         tile = max(1, columns // 2)
         for lo in range(0, columns, tile):
