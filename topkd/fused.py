@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, dense, parallel, student
-from ._rows import LinearRows, Rows, budget_bytes, chunk_rows
+from ._rows import BlockedRows, LinearRows, Rows, budget_bytes, chunk_rows
 from .losses import (
     _KL_OPTIONS,
     _check_options,
@@ -69,24 +69,26 @@ def _one_pass(tensors, reduction) -> bool:
             and any(t is not None and t.requires_grad for t in tensors))
 
 
-# The fused loops make the logits with a matrix product per chunk, which wants chunks of ~50
-# rows or more to run near full speed, and stage the logits gradient for the products that
-# make the hidden states' and weight's gradients (see LinearGradient), which want ~100 rows or
-# more. By default they share a sixth of the bytes the logits would take (at most 512 MiB):
-# 60% for the chunk's buffers, 40% for the stage.
+# The fused losses make the logits with one matrix product per block of rows and stage the
+# logits gradient for the products that make the hidden states' and weight's gradients (see
+# BlockedRows, LinearGradient); those products run near full speed from ~100 rows. By default
+# the blocks, the stage and the float32 work chunks share a sixth of the bytes the logits
+# would take (at most 512 MiB): 80% for the blocks and the stage, 20% for the work chunks.
 _FUSED_CHUNK_BYTES = 512 * 2**20
 _FUSED_FRACTION = 6
 
 
-def _budget(chunk_bytes, shard, rows, weight, process_group):
-    """``(chunk budget, row width, stage rows)`` from numbers every rank shares (the one-pass
-    loops combine statistics per chunk, so every rank must cut the same chunks)."""
+def _budget(chunk_bytes, shard, rows, weight, process_group, products):
+    """``(work chunk rows, block rows)`` for ``products`` logits-making sources (the student,
+    and the teacher when it is a hidden/weight pair), from numbers every rank shares: the
+    one-pass loops combine statistics per chunk, so every rank must cut the same chunks."""
     width = -(-shard.total // parallel.world_size(process_group)) + 1
     element = weight.element_size()
     total = chunk_bytes
     if total is None:
         total = max(1, min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION))
-    return total * 3 // 5, width, max(1, total * 2 // 5 // (width * element))
+    block = max(1, total * 4 // 5 // ((1 + products) * width * element))
+    return chunk_rows(total // 5, width, rows, element, buffers=3), block
 
 
 def _teacher_slice(teacher: SparseTeacher, rows: int, start: int, stop: int) -> SparseTeacher:
@@ -212,7 +214,9 @@ def fused_topk_kl_loss(
             raise ValueError(f"the teacher was normalized over vocab_size={teacher.vocab_size} "
                              f"but the student's vocabulary is {vocab}")
 
-        def teacher_rows(start, stop):
+        teacher_source, products = None, 1
+
+        def teacher_rows(start, stop, source=None):
             return _teacher_slice(teacher, rows, start, stop)
     else:
         kind, teacher_tensors, width = _teacher_source(teacher, lead_shape)
@@ -224,32 +228,33 @@ def fused_topk_kl_loss(
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                    ("teacher width", shards["teacher"].total))
         k = _checks.integer("k", k, 1, vocab)
-        teacher_source = kind(*teacher_tensors)
+        teacher_source, products = kind(*teacher_tensors), 1 + (kind is LinearRows)
         # One budget for the whole call (the chunks' own row counts would shrink it).
         teacher_bytes = budget_bytes(chunk_bytes, rows, shards["teacher"].width,
                                      teacher_source.element_size)
 
-        def teacher_rows(start, stop):
-            return select_rows(teacher_source.rows(start, stop), k, top_p, top_p_min_k,
+        def teacher_rows(start, stop, source=teacher_source):
+            return select_rows(source.rows(start, stop), k, top_p, top_p_min_k,
                                temperature, vocab, shards["teacher"], process_group,
                                teacher_bytes, scale=1)
 
     shard = shards["student"]
-    budget, width, stage = _budget(chunk_bytes, shard, rows, weight, process_group)
+    per, block = _budget(chunk_bytes, shard, rows, weight, process_group, products)
     if _one_pass(tensors, reduction):
-        per = chunk_rows(budget, width, rows, weight.element_size(), buffers=2)
+        if isinstance(teacher_source, LinearRows):
+            teacher_source = BlockedRows(teacher_source, block)
 
         def run(needs, *tensors):
-            source = LinearRows(*tensors, stage_rows=stage)
+            source = LinearRows(*tensors, stage_rows=block)
             sink = source.gradient(needs)
             loss = student.scalar_loss_and_gradients(
-                source, teacher_rows, _row_weights(mask, reduction, rows, weight.device), shard,
-                shard.valid(vocab), process_group, per, sink, reverse=reverse,
-                normalize=normalize)
+                BlockedRows(source, block), partial(teacher_rows, source=teacher_source),
+                _row_weights(mask, reduction, rows, weight.device), shard, shard.valid(vocab),
+                process_group, per, sink, reverse=reverse, normalize=normalize)
             return loss, sink
 
         return _PrecomputedLoss.apply(run, *tensors)
-    student_kind = partial(LinearRows, stage_rows=stage)
+    student_kind = partial(LinearRows, stage_rows=block)
     return sparse_from_rows(student_kind, tensors, lead_shape, teacher_rows(0, rows), shard,
                             vocab, reverse=reverse, normalize=normalize, mask=mask,
                             reduction=reduction, process_group=process_group,
@@ -291,22 +296,23 @@ def fused_kl_loss(
     vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                ("teacher width", shards["teacher"].total))
     rows = lead_shape.numel()
-    budget, width, stage = _budget(chunk_bytes, shards["student"], rows, weight, process_group)
+    per, block = _budget(chunk_bytes, shards["student"], rows, weight, process_group,
+                         1 + (kind is LinearRows))
     if _one_pass(tensors, reduction):
         shard = shards["student"]
-        per = chunk_rows(budget, width, rows, weight.element_size(), buffers=5)
         dense.check_aligned(shards, vocab)
 
         def run(needs, *tensors):
-            source = LinearRows(*tensors, stage_rows=stage)
+            source = LinearRows(*tensors, stage_rows=block)
             sink = source.gradient(needs)
             loss = dense.scalar_loss_and_gradients(
-                source, kind(*teacher_tensors), _row_weights(mask, reduction, rows, weight.device),
-                temperature, bool(reverse), shard.valid(vocab), process_group, per, sink)
+                BlockedRows(source, block), BlockedRows(kind(*teacher_tensors), block),
+                _row_weights(mask, reduction, rows, weight.device), temperature, bool(reverse),
+                shard.valid(vocab), process_group, per, sink)
             return loss, sink
 
         return _PrecomputedLoss.apply(run, *tensors)
-    return dense_from_rows(partial(LinearRows, stage_rows=stage), tensors, kind,
+    return dense_from_rows(partial(LinearRows, stage_rows=block), tensors, kind,
                            teacher_tensors, lead_shape, shards, vocab, temperature=temperature,
                            reverse=reverse, mask=mask, reduction=reduction,
                            process_group=process_group, chunk_bytes=chunk_bytes)
