@@ -21,12 +21,9 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 _DEFAULT_FRACTION = 16
 
 
-def widen(low: torch.Tensor, spare: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``low`` copied into a float32 buffer with ``spare`` extra (uninitialized) columns:
-    ``out`` when given, else a new one."""
-    if out is None:
-        out = torch.empty(low.shape[0], low.shape[1] + spare, dtype=torch.float32,
-                          device=low.device)
+def widen(low: torch.Tensor, spare: int = 0) -> torch.Tensor:
+    """``low`` copied into a new float32 buffer with ``spare`` extra (uninitialized) columns."""
+    out = torch.empty(low.shape[0], low.shape[1] + spare, dtype=torch.float32, device=low.device)
     out[:, :low.shape[1]].copy_(low)
     return out
 

@@ -40,10 +40,10 @@ def check_aligned(shards, vocab: int) -> int:
     return valid
 
 
-def scaled_chunks(student_low, teacher_low, temperature, out=(None, None)):
-    """Float32 ``z / T`` and ``t / T`` from chunks in the logits' dtypes (into ``out``)."""
-    a = widen(student_low, out=out[0])
-    b = widen(teacher_low, out=out[1])
+def scaled_chunks(student_low, teacher_low, temperature):
+    """Float32 ``z / T`` and ``t / T`` from chunks in the logits' dtypes."""
+    a = widen(student_low)
+    b = widen(teacher_low)
     if temperature != 1.0:
         a.div_(temperature)
         b.div_(temperature)

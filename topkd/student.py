@@ -48,10 +48,10 @@ def local_columns(indices: torch.Tensor, offset: int, valid: int) -> torch.Tenso
     return torch.where(on_rank, local, torch.full_like(local, valid))
 
 
-def scaled_chunk(low: torch.Tensor, temperature: float, out=None) -> torch.Tensor:
+def scaled_chunk(low: torch.Tensor, temperature: float) -> torch.Tensor:
     """Float32 ``[r, valid + 1]`` buffer of ``z / T`` from the chunk ``low`` (``[r, valid]``
-    in the logits' dtype), into ``out`` if given; the spare last column is -inf."""
-    a = widen(low, spare=1, out=out)
+    in the logits' dtype); the spare last column is -inf."""
+    a = widen(low, spare=1)
     a[:, -1] = _NEG_INF
     if temperature != 1.0:
         a.div_(temperature)
