@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from tp_worker import _compare, _same_on_all_ranks  # noqa: E402
+from tp_worker import _compare, _same_on_all_ranks, run_rank  # noqa: E402
 
 import topkd  # noqa: E402
 
@@ -217,23 +216,12 @@ def run_layout(group, rank, width, sizes, vocab_size, failures, dtype=torch.floa
 
 
 def worker(rank, world, port, layouts, with_bf16, result_dir):
-    failures: list[str] = []
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=60))
-        group = dist.group.WORLD
+    def body(group, failures):
         for width, sizes, vocab_size in layouts:
             run_layout(group, rank, width, sizes, vocab_size, failures)
         if with_bf16:
             width, sizes, vocab_size = layouts[0]
             run_layout(group, rank, width, sizes, vocab_size, failures, dtype=torch.bfloat16,
                        seed=1)
-        dist.barrier()
-    except Exception:  # noqa: BLE001  (reported to the parent through the result file)
-        failures.append(traceback.format_exc())
-    finally:
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("\n\n".join(failures) if failures else "OK")
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+    run_rank(rank, world, port, result_dir, body)

@@ -293,18 +293,15 @@ def run_edge_cases(group, rank, failures):
     del start, stop
 
 
-def worker(rank, world, port, layouts, check_comm, result_dir):
+def run_rank(rank, world, port, result_dir, body):
+    """One spawned rank: a gloo group on 127.0.0.1 (every wait with a timeout), then
+    ``body(group, failures)``; failures, or "OK", go to ``result_dir/rank{rank}.txt``."""
     failures: list[str] = []
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
-        group = dist.group.WORLD
-        for width, sizes, vocab_size in layouts:
-            run_layout(group, rank, width, sizes, vocab_size, failures)
-        if check_comm:
-            run_communication(group, rank, failures)
-        run_edge_cases(group, rank, failures)
+        body(dist.group.WORLD, failures)
         dist.barrier()
     except Exception:  # noqa: BLE001  (reported to the parent through the result file)
         failures.append(traceback.format_exc())
@@ -313,3 +310,14 @@ def worker(rank, world, port, layouts, check_comm, result_dir):
             f.write("\n\n".join(failures) if failures else "OK")
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def worker(rank, world, port, layouts, check_comm, result_dir):
+    def body(group, failures):
+        for width, sizes, vocab_size in layouts:
+            run_layout(group, rank, width, sizes, vocab_size, failures)
+        if check_comm:
+            run_communication(group, rank, failures)
+        run_edge_cases(group, rank, failures)
+
+    run_rank(rank, world, port, result_dir, body)
