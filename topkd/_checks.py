@@ -83,6 +83,26 @@ def mask(value, lead_shape: tuple[int, ...]) -> None:
         )
 
 
+def teacher_mask(value, teacher, lead_shape: tuple[int, ...]):
+    """The rows a loss keeps: its own ``mask`` and a :class:`SparseTeacher`'s padding mask."""
+    if teacher.mask is None:
+        return value
+    if not isinstance(teacher.mask, torch.Tensor) or teacher.mask.dtype != torch.bool:
+        raise TypeError(f"teacher.mask must be a bool torch.Tensor or None, got "
+                        f"{getattr(teacher.mask, 'dtype', type(teacher.mask).__name__)}")
+    if tuple(teacher.mask.shape) != tuple(lead_shape):
+        raise ValueError(f"teacher.mask must have the leading shape {tuple(lead_shape)}, "
+                         f"got {tuple(teacher.mask.shape)}")
+    return teacher.mask if value is None else value & teacher.mask
+
+
+def teacher_temperature(value, teacher) -> None:
+    """A temperature given next to a :class:`SparseTeacher` must be the one it was made at."""
+    if value is not None and temperature(value) != teacher.temperature:
+        raise ValueError(f"temperature={value} differs from the SparseTeacher's temperature "
+                         f"{teacher.temperature} (the teacher was normalized at it)")
+
+
 # Vocabulary indices travel as int32 and sort under a packed int64 key (see select.py).
 MAX_VOCAB = 2**31 - 2
 

@@ -204,10 +204,9 @@ def fused_topk_kl_loss(
         if top_p is not None:
             raise ValueError("top_p applies when selecting; this SparseTeacher is already "
                              "selected (pass top_p to select_topk)")
-        if temperature != teacher.temperature:
-            raise ValueError(f"temperature={temperature} differs from the SparseTeacher's "
-                             f"temperature {teacher.temperature}")
+        _checks.teacher_temperature(temperature, teacher)
         _checks.same_leading("hidden", lead_shape, "teacher", teacher.indices.shape[:-1])
+        mask = _checks.teacher_mask(mask, teacher, lead_shape)
         shards = parallel.exchange_shards(process_group, {"student": weight.shape[0]}, rows)
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total))
         if vocab != teacher.vocab_size:

@@ -57,6 +57,7 @@ def sparse_kl_loss(
     reverse: bool = False,
     normalize: str = "full",
     vocab_size: int | None = None,
+    temperature: float | None = None,
     mask: torch.Tensor | None = None,
     reduction: str = "none",
     process_group=None,
@@ -68,13 +69,16 @@ def sparse_kl_loss(
         student_logits: ``[..., V_r]`` float32/bfloat16/float16, contiguous or not; with
             ``process_group``, this rank's contiguous vocabulary shard. Scaled by
             ``teacher.temperature``.
-        teacher: from :func:`select_topk` (or a store), leading shape ``[...]``.
+        teacher: from :func:`select_topk`, or a batch from a :mod:`topkd.store`, leading
+            shape ``[...]``; rows its ``mask`` marks as padding are dropped like ``mask``'s.
         reverse: ``KL(p || q)`` instead of ``KL(q || p)`` (``q`` the teacher).
         normalize: ``"full"``: K kept entries plus the exact ghost bucket (everything else),
             both distributions normalized over the whole vocabulary; ``"topk"``: no ghost, both
             renormalized over the kept entries (Model-Optimizer 0.47 / axolotl behaviour).
         vocab_size: the real vocabulary when the student is padded past it (columns at or past
             it get zero gradient); must equal ``teacher.vocab_size``.
+        temperature: optional; when given it must equal ``teacher.temperature`` (a store built
+            at another temperature is refused instead of silently used).
         mask: bool ``[...]``; rows where it is False contribute 0 and get zero gradient.
         reduction: ``"none"`` (float32 ``[...]``), ``"sum"``, or ``"mean"`` over kept rows
             (0 with zero gradient when there are none).
@@ -92,6 +96,8 @@ def sparse_kl_loss(
     _checks.choice("normalize", normalize, _checks.NORMALIZE)
     _checks.same_leading("student_logits", student_logits.shape[:-1],
                          "teacher", teacher.indices.shape[:-1])
+    _checks.teacher_temperature(temperature, teacher)
+    mask = _checks.teacher_mask(mask, teacher, student_logits.shape[:-1])
     shard = parallel.exchange_shards(process_group, {"student": student_logits.shape[-1]},
                                      student_logits.shape[:-1].numel())["student"]
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shard.total))

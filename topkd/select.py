@@ -36,6 +36,8 @@ class SparseTeacher:
             hold all but 1e-13 of the mass), ``-inf`` when nothing is left out.
         temperature: the temperature the teacher was normalized at; the student is scaled by it.
         vocab_size: the vocabulary the teacher was normalized over (padding excluded).
+        mask: optional bool ``[...]``, False on rows that are padding (a batch collated from a
+            store); the losses drop those rows as they drop rows of their own ``mask``.
     """
 
     indices: torch.Tensor
@@ -43,6 +45,7 @@ class SparseTeacher:
     rest_logprob: torch.Tensor
     temperature: float
     vocab_size: int
+    mask: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -51,7 +54,7 @@ class SparseTeacher:
     def to(self, device) -> SparseTeacher:
         return SparseTeacher(
             self.indices.to(device), self.logprobs.to(device), self.rest_logprob.to(device),
-            self.temperature, self.vocab_size,
+            self.temperature, self.vocab_size, None if self.mask is None else self.mask.to(device),
         )
 
 

@@ -1,0 +1,153 @@
+"""The on-disk layout of a teacher store, shared by the writer, the reader and ``verify``.
+
+A store is a directory::
+
+    manifest.json                          the store's settings (written once, atomically)
+    shard-<writer>-<number>.safetensors    complete shards, any number of writers
+    .shard-<writer>-<number>.safetensors.tmp   a shard being written (never read)
+    .writer-<writer>.lock                  held (flock) by the live writer of that name
+
+A shard is one safetensors file (https://github.com/huggingface/safetensors): a JSON header, then
+raw little-endian arrays, memory-mapped by the reader. Its tensors:
+
+- ``indices`` int32 ``[E]`` and ``logprobs`` (the store's dtype) ``[E]``: the kept entries of
+  every row, row after row (``E`` = entries in the shard);
+- ``rest_logprob`` float32 ``[T]``: one ghost log-mass per token row (``T`` = token rows);
+- ``counts`` int32 ``[T]``: kept entries per row, only in shards where some row keeps fewer
+  than K (top-p); otherwise every row keeps K;
+- ``seq_rows`` / ``seq_entries`` int64 ``[S + 1]``: where each sequence's rows and entries
+  start;
+- ``token_hash`` uint8 ``[S, 16]``: BLAKE2b-128 of each sequence's token ids (int64 LE);
+- ``crc`` int64 ``[S]``: CRC-32 of each sequence's bytes in the four row tensors, checked on
+  every read.
+
+The header's metadata holds the sample ids (JSON) and a SHA-256 of every tensor, which
+``verify`` checks in full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import zlib
+
+import torch
+
+FORMAT = "topkd-teacher-store"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_SUFFIX = ".safetensors"
+SHARD_PATTERN = re.compile(r"^shard-(?P<writer>[A-Za-z0-9_.-]+)-(?P<number>\d{6,})\.safetensors$")
+WRITER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ROW_TENSORS = ("indices", "logprobs", "rest_logprob", "counts")
+LOGPROB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                  "float16": torch.float16}
+TOKEN_HASH = "blake2b-128 of the token ids as int64 little-endian"
+
+# The settings a reader may insist on, in the order errors name them.
+SETTINGS = ("vocab_size", "k", "top_p", "top_p_min_k", "temperature", "logprob_dtype",
+            "tokenizer_fingerprint")
+
+
+def shard_name(writer: str, number: int) -> str:
+    return f"shard-{writer}-{number:06d}{SHARD_SUFFIX}"
+
+
+def temporary_name(name: str) -> str:
+    return f".{name}.tmp"
+
+
+def shard_files(path: str) -> list[str]:
+    """The complete shards of a store, sorted by name."""
+    return sorted(n for n in os.listdir(path) if SHARD_PATTERN.match(n))
+
+
+def token_hash(input_ids) -> bytes:
+    """BLAKE2b-128 of a sequence's token ids, as int64 little-endian bytes."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be a 1-D sequence of integer token ids, got "
+                         f"shape {tuple(ids.shape)} dtype {ids.dtype}")
+    data = ids.to(torch.int64).contiguous().numpy().astype("<i8", copy=False).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def tensor_bytes(t: torch.Tensor):
+    """The raw bytes of a tensor (any dtype, bfloat16 included), without a copy when
+    contiguous."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def crc(tensors) -> int:
+    value = 0
+    for t in tensors:
+        value = zlib.crc32(tensor_bytes(t), value)
+    return value
+
+
+def sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+
+def fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str, name: str, data: bytes, *, exclusive: bool = False) -> bool:
+    """Make ``path/name`` hold ``data`` completely or not at all, even across a crash.
+
+    Writes a temporary file, fsyncs it, then renames it into place (or, with ``exclusive``,
+    links it, which fails if the name exists: returns False then) and fsyncs the directory.
+    """
+    temporary = os.path.join(path, temporary_name(name) + f"-{os.getpid()}")
+    with open(temporary, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if exclusive:
+            try:
+                os.link(temporary, os.path.join(path, name))
+            except FileExistsError:
+                return False
+        else:
+            os.replace(temporary, os.path.join(path, name))
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    fsync_directory(path)
+    return True
+
+
+def read_manifest(path: str) -> dict:
+    file = os.path.join(path, MANIFEST)
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is not a topkd teacher store (no {MANIFEST})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a topkd teacher store manifest "
+                         f"(format={manifest.get('format')!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{file} has format_version={manifest.get('format_version')!r}; this "
+                         f"topkd reads format_version={FORMAT_VERSION}")
+    return manifest
+
+
+def check_settings(manifest: dict, expected: dict, path: str, who: str) -> None:
+    """Raise if any setting in ``expected`` (None = not checked) differs from the manifest's,
+    naming both values."""
+    for key in SETTINGS:
+        want = expected.get(key)
+        if want is not None and manifest.get(key) != want:
+            raise ValueError(f"the teacher store {path} was written with {key}="
+                             f"{manifest.get(key)!r} but {who} {key}={want!r}")

@@ -1,0 +1,242 @@
+"""Reading a teacher store: memory-mapped, by sample id, every read checked."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..select import SparseTeacher
+from . import format as fmt
+
+
+def _open(path: str, file: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(os.path.join(path, file), framework="pt")
+    except Exception as e:  # safetensors raises its own error type for a damaged header
+        raise ValueError(f"teacher store shard {os.path.join(path, file)} is damaged or "
+                         f"truncated ({e}); run `topkd store verify {path}`") from None
+
+
+def read_shard_ids(path: str, file: str) -> list:
+    """The sample ids in one shard, from its header (which also proves the file is whole)."""
+    with _open(path, file) as handle:
+        metadata = handle.metadata() or {}
+    try:
+        ids = json.loads(metadata["sample_ids"])
+    except (KeyError, json.JSONDecodeError):
+        raise ValueError(f"teacher store shard {os.path.join(path, file)} has no readable "
+                         f"sample_ids in its header; run `topkd store verify {path}`") from None
+    return ids
+
+
+class _Shard:
+    """One open shard: the memory map and its small per-sequence arrays."""
+
+    def __init__(self, path: str, file: str):
+        self.file = os.path.join(path, file)
+        self.handle = _open(path, file)
+        keys = set(self.handle.keys())
+        self.has_counts = "counts" in keys
+        self.seq_rows = self.handle.get_tensor("seq_rows").tolist()
+        self.seq_entries = self.handle.get_tensor("seq_entries").tolist()
+        self.token_hash = self.handle.get_tensor("token_hash")
+        self.crc = self.handle.get_tensor("crc").tolist()
+        self.slices = {name: self.handle.get_slice(name) for name in fmt.ROW_TENSORS
+                       if name in keys}
+
+    def read(self, i: int):
+        r0, r1 = self.seq_rows[i], self.seq_rows[i + 1]
+        e0, e1 = self.seq_entries[i], self.seq_entries[i + 1]
+        parts = {"indices": self.slices["indices"][e0:e1],
+                 "logprobs": self.slices["logprobs"][e0:e1],
+                 "rest_logprob": self.slices["rest_logprob"][r0:r1]}
+        if self.has_counts:
+            parts["counts"] = self.slices["counts"][r0:r1]
+        return parts
+
+
+class TeacherStore:
+    """A teacher store opened read-only; sequences are read by sample id from memory maps.
+
+    Args:
+        path: the store's directory.
+        vocab_size, k, temperature, tokenizer_fingerprint: when given, the store must have
+            been written with these (the error names both values), so a student run cannot read
+            targets made for another vocabulary, selection or tokenizer.
+        verify_reads: check each sequence's CRC-32 when it is read (default True; a damaged
+            shard is then reported by name instead of read as wrong numbers).
+
+    The shards present when the store is opened are its contents; a damaged or truncated shard
+    header is an error at opening, damaged data at the read that touches it. The object can be
+    pickled (to ``DataLoader`` workers): each process maps the files itself.
+    """
+
+    def __init__(self, path: str, *, vocab_size: int | None = None, k: int | None = None,
+                 temperature: float | None = None, tokenizer_fingerprint: str | None = None,
+                 verify_reads: bool = True):
+        self.path = os.fspath(path)
+        self.manifest = fmt.read_manifest(self.path)
+        fmt.check_settings(self.manifest,
+                           {"vocab_size": vocab_size, "k": k, "temperature": temperature,
+                            "tokenizer_fingerprint": tokenizer_fingerprint},
+                           self.path, "the reader asked for")
+        self.verify_reads = bool(verify_reads)
+        self.files = fmt.shard_files(self.path)
+        self._where: dict = {}
+        for number, file in enumerate(self.files):
+            for position, sample_id in enumerate(read_shard_ids(self.path, file)):
+                if sample_id in self._where:
+                    other = self.files[self._where[sample_id][0]]
+                    raise ValueError(f"sample_id {sample_id!r} is stored twice in {self.path}: "
+                                     f"in {other} and in {file}")
+                self._where[sample_id] = (number, position)
+        self._shards: dict[int, _Shard] = {}
+
+    # -- what is there -----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["vocab_size"]
+
+    @property
+    def k(self) -> int:
+        return self.manifest["k"]
+
+    @property
+    def temperature(self) -> float:
+        return self.manifest["temperature"]
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, sample_id) -> bool:
+        return sample_id in self._where
+
+    def ids(self) -> list:
+        """Every stored sample id, in shard order."""
+        return list(self._where)
+
+    def nbytes(self) -> int:
+        """Bytes on disk of the complete shards."""
+        return sum(os.path.getsize(os.path.join(self.path, f)) for f in self.files)
+
+    def num_tokens(self) -> int:
+        """Token rows stored, over all sequences."""
+        return sum(self._shard(n).seq_rows[-1] for n in range(len(self.files)))
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _shard(self, number: int) -> _Shard:
+        shard = self._shards.get(number)
+        if shard is None:
+            shard = self._shards[number] = _Shard(self.path, self.files[number])
+        return shard
+
+    def get(self, sample_id, input_ids=None) -> SparseTeacher:
+        """The stored teacher of one sequence: a :class:`~topkd.SparseTeacher` ``[L, K]``
+        (indices int64, logprobs float32 widened from the store's dtype, unused slots ``-1`` /
+        ``-inf``).
+
+        With ``input_ids`` (the tokens the student will see), their hash must equal the stored
+        one: a store row never meets tokens it was not computed from.
+        """
+        try:
+            number, position = self._where[sample_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"sample_id {sample_id!r} is not in the teacher store "
+                           f"{self.path}") from None
+        shard = self._shard(number)
+        if input_ids is not None:
+            stored = bytes(shard.token_hash[position].tolist())
+            if fmt.token_hash(input_ids) != stored:
+                raise ValueError(
+                    f"sample_id {sample_id!r}: the token ids given ({len(input_ids)} tokens) "
+                    f"are not the ones the teacher store {self.path} was built from (token hash "
+                    f"differs); the data and the store are misaligned")
+        parts = shard.read(position)
+        if self.verify_reads and fmt.crc(parts.values()) != shard.crc[position]:
+            raise ValueError(f"sample_id {sample_id!r}: its data in teacher store shard "
+                             f"{shard.file} is damaged (CRC-32 mismatch); run "
+                             f"`topkd store verify {self.path}`")
+        return self._teacher(parts)
+
+    def _teacher(self, parts: dict) -> SparseTeacher:
+        length, k = parts["rest_logprob"].shape[0], self.k
+        indices = parts["indices"].long()
+        logprobs = parts["logprobs"].float()
+        if "counts" in parts:
+            used = torch.arange(k) < parts["counts"][:, None]
+            full_indices = torch.full((length, k), -1, dtype=torch.int64)
+            full_logprobs = torch.full((length, k), float("-inf"))
+            full_indices[used], full_logprobs[used] = indices, logprobs
+            indices, logprobs = full_indices, full_logprobs
+        else:
+            indices, logprobs = indices.reshape(length, k), logprobs.reshape(length, k)
+        return SparseTeacher(indices, logprobs, parts["rest_logprob"].float(),
+                             self.temperature, self.vocab_size)
+
+    def collate(self, sample_ids, *, input_ids=None, pad_to: int | None = None) -> SparseTeacher:
+        """The teachers of several sequences as one batch ``[B, L, K]``, padded to the longest
+        (or ``pad_to``) with rows its ``mask`` marks False, which the losses drop.
+
+        ``input_ids``, when given, is one token sequence per sample id, each checked as in
+        :meth:`get`.
+        """
+        sample_ids = list(sample_ids)
+        if input_ids is None:
+            input_ids = [None] * len(sample_ids)
+        elif len(input_ids) != len(sample_ids):
+            raise ValueError(f"input_ids has {len(input_ids)} sequences for "
+                             f"{len(sample_ids)} sample ids")
+        teachers = [self.get(s, ids) for s, ids in zip(sample_ids, input_ids, strict=True)]
+        return collate_teachers(teachers, pad_to=pad_to, k=self.k, vocab_size=self.vocab_size,
+                                temperature=self.temperature)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_shards"] = {}  # memory maps do not travel; each process opens its own
+        return state
+
+
+def collate_teachers(teachers, *, pad_to: int | None = None, k: int | None = None,
+                     vocab_size: int | None = None,
+                     temperature: float | None = None) -> SparseTeacher:
+    """Stack per-sequence :class:`~topkd.SparseTeacher` rows ``[L_i, K]`` into ``[B, L, K]``.
+
+    ``L`` is ``pad_to`` or the longest sequence. Padding rows hold a valid one-entry
+    distribution (all mass on index 0) so that no loss sees a NaN, and the batch's ``mask`` is
+    False there. ``k``, ``vocab_size`` and ``temperature`` describe an empty batch and must
+    agree with the teachers given.
+    """
+    teachers = list(teachers)
+    lengths = [t.indices.shape[0] for t in teachers]
+    for name, value in (("k", k), ("vocab_size", vocab_size), ("temperature", temperature)):
+        seen = {getattr(t, name) for t in teachers} | ({value} if value is not None else set())
+        if len(seen) > 1:
+            raise ValueError(f"the teachers to collate differ in {name}: {sorted(seen)}")
+    if not teachers and None in (k, vocab_size, temperature):
+        raise ValueError("collating no teachers needs k, vocab_size and temperature")
+    if teachers:
+        k, vocab_size, temperature = teachers[0].k, teachers[0].vocab_size, \
+            teachers[0].temperature
+    longest = max(lengths, default=0)
+    if pad_to is None:
+        pad_to = longest
+    elif isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < longest:
+        raise ValueError(f"pad_to must be an int >= the longest sequence ({longest}), "
+                         f"got {pad_to!r}")
+    batch = len(teachers)
+    indices = torch.full((batch, pad_to, k), -1, dtype=torch.int64)
+    logprobs = torch.full((batch, pad_to, k), float("-inf"))
+    rest = torch.full((batch, pad_to), float("-inf"))
+    indices[..., 0], logprobs[..., 0] = 0, 0.0
+    mask = torch.zeros((batch, pad_to), dtype=torch.bool)
+    for b, (t, length) in enumerate(zip(teachers, lengths, strict=True)):
+        indices[b, :length], logprobs[b, :length] = t.indices, t.logprobs
+        rest[b, :length] = t.rest_logprob
+        mask[b, :length] = True if t.mask is None else t.mask
+    return SparseTeacher(indices, logprobs, rest, temperature, vocab_size, mask)

@@ -1,0 +1,81 @@
+"""Checking a whole teacher store: every byte of every shard against its recorded hashes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from . import format as fmt
+from .reader import _open
+
+
+def verify_store(path: str) -> list[str]:
+    """Every problem found in the store at ``path``, one line each naming its file; empty when
+    the store is whole. Reads every shard in full (SHA-256 of each tensor), checks the
+    per-sequence layout and CRC-32s, and that no sample id is stored twice."""
+    path = os.fspath(path)
+    try:
+        manifest = fmt.read_manifest(path)
+    except (FileNotFoundError, ValueError) as e:
+        return [str(e)]
+    problems, seen = [], {}
+    for file in fmt.shard_files(path):
+        try:
+            ids = _verify_shard(path, file, manifest)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        for sample_id in ids:
+            if sample_id in seen:
+                problems.append(f"{os.path.join(path, file)}: sample_id {sample_id!r} is also "
+                                f"in {seen[sample_id]}")
+            seen[sample_id] = file
+    return problems
+
+
+def _verify_shard(path: str, file: str, manifest: dict) -> list:
+    where = os.path.join(path, file)
+
+    def bad(message):
+        return ValueError(f"{where}: {message}")
+
+    with _open(path, file) as handle:
+        metadata = handle.metadata() or {}
+        try:
+            ids = json.loads(metadata["sample_ids"])
+            hashes = json.loads(metadata["sha256"])
+        except (KeyError, json.JSONDecodeError):
+            raise bad("header metadata (sample_ids, sha256) missing or unreadable") from None
+        if set(hashes) != set(handle.keys()):
+            raise bad(f"tensors {sorted(handle.keys())} differ from the hashed ones "
+                      f"{sorted(hashes)}")
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    for name, t in tensors.items():
+        if fmt.sha256(t) != hashes[name]:
+            raise bad(f"tensor {name!r} does not match its SHA-256 (the file was altered)")
+    rows, entries = tensors["seq_rows"].tolist(), tensors["seq_entries"].tolist()
+    k = manifest["k"]
+    counts = tensors.get("counts")
+    tokens = tensors["rest_logprob"].shape[0]
+    expected_entries = tokens * k if counts is None else int(counts.sum())
+    consistent = (
+        len(rows) == len(entries) == len(ids) + 1 and rows[0] == entries[0] == 0
+        and rows == sorted(rows) and entries == sorted(entries) and rows[-1] == tokens
+        and entries[-1] == tensors["indices"].shape[0] == tensors["logprobs"].shape[0]
+        == expected_entries and tuple(tensors["token_hash"].shape) == (len(ids), 16)
+        and tensors["crc"].shape[0] == len(ids)
+    )
+    if not consistent:
+        raise bad("sequence offsets, counts and array lengths disagree")
+    if str(tensors["logprobs"].dtype) != f"torch.{manifest['logprob_dtype']}":
+        raise bad(f"logprobs are {tensors['logprobs'].dtype}, the manifest says "
+                  f"{manifest['logprob_dtype']}")
+    for i, sample_id in enumerate(ids):
+        parts = [tensors["indices"][entries[i]:entries[i + 1]],
+                 tensors["logprobs"][entries[i]:entries[i + 1]],
+                 tensors["rest_logprob"][rows[i]:rows[i + 1]]]
+        if counts is not None:
+            parts.append(counts[rows[i]:rows[i + 1]])
+        if fmt.crc(parts) != int(tensors["crc"][i]):
+            raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
+    return ids

@@ -1,0 +1,246 @@
+"""Writing a teacher store: sequences in, complete shards out, safe against a crash."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+
+import torch
+
+from .. import _checks
+from ..select import SparseTeacher
+from . import format as fmt
+from .reader import read_shard_ids
+
+
+class TeacherStoreWriter:
+    """Appends teachers' :class:`~topkd.SparseTeacher` rows, one sequence at a time, to a store.
+
+    Args:
+        path: the store's directory (created if missing). Several writers may share it if each
+            has its own ``name``; the reader sees the union of their shards.
+        k: entries per row (the ``k`` given to :func:`topkd.select_topk`).
+        vocab_size: the vocabulary the teacher was normalized over, up to ``2**31 - 2``.
+        top_p, top_p_min_k, temperature: the selection's settings, recorded in the manifest;
+            every added teacher must have this ``k``, temperature and vocabulary.
+        logprob_dtype: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"`` for the kept
+            log-probs. Indices are int32 and the ghost log-mass float32 in every case.
+        tokenizer_fingerprint: identifies the tokenizer (see :func:`tokenizer_fingerprint`);
+            a reader asking for another one is refused.
+        metadata: free JSON-serializable information kept in the manifest.
+        name: this writer's name in shard file names; default ``rank<R>`` under
+            ``torch.distributed``, else ``main``. Two live writers may not share a name.
+        shard_bytes: a shard is written once its rows reach this many bytes (default 256 MiB).
+
+    Shards become visible only when complete (temporary file, fsync, atomic rename), so a crash
+    loses at most the rows not yet in a shard. Reopening a store resumes it: the settings must
+    match the manifest (an error names both values), ``sample_id in writer`` tells what is
+    stored already, and adding a stored id again is an error.
+    """
+
+    def __init__(self, path: str, *, k: int, vocab_size: int, top_p: float | None = None,
+                 top_p_min_k: int = 1, temperature: float = 1.0,
+                 logprob_dtype: str = "bfloat16", tokenizer_fingerprint: str | None = None,
+                 metadata: dict | None = None, name: str | None = None,
+                 shard_bytes: int = 256 * 2**20):
+        vocab_size = _checks.integer("vocab_size", vocab_size, 1, _checks.MAX_VOCAB)
+        k = _checks.integer("k", k, 1, vocab_size)
+        temperature = _checks.temperature(temperature)
+        top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
+        _checks.choice("logprob_dtype", logprob_dtype, tuple(fmt.LOGPROB_DTYPES))
+        if tokenizer_fingerprint is not None and not isinstance(tokenizer_fingerprint, str):
+            raise TypeError(f"tokenizer_fingerprint must be a str or None, got "
+                            f"{type(tokenizer_fingerprint).__name__}")
+        self.shard_bytes = _checks.integer("shard_bytes", shard_bytes, 1)
+        self.name = _default_name() if name is None else name
+        if not isinstance(self.name, str) or not fmt.WRITER_NAME.match(self.name):
+            raise ValueError(f"name must be 1-64 characters of [A-Za-z0-9_.-], got {name!r}")
+        try:
+            metadata_json = json.loads(json.dumps({} if metadata is None else metadata))
+        except TypeError as e:
+            raise TypeError(f"metadata must be JSON-serializable: {e}") from None
+
+        self.path = os.fspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self.settings = {"vocab_size": vocab_size, "k": k, "top_p": top_p,
+                         "top_p_min_k": top_p_min_k, "temperature": temperature,
+                         "logprob_dtype": logprob_dtype,
+                         "tokenizer_fingerprint": tokenizer_fingerprint}
+        self.manifest = self._open_manifest(metadata_json)
+        self._lock = self._take_lock()
+        self._remove_own_temporaries()
+        self._stored = set()
+        numbers = [-1]
+        for file in fmt.shard_files(self.path):
+            for sample_id in read_shard_ids(self.path, file):
+                self._stored.add(sample_id)
+            match = fmt.SHARD_PATTERN.match(file)
+            if match["writer"] == self.name:
+                numbers.append(int(match["number"]))
+        self._next_number = max(numbers) + 1
+        self._logprob_dtype = fmt.LOGPROB_DTYPES[logprob_dtype]
+        self._pending: list[tuple] = []
+        self._pending_bytes = 0
+        self.closed = False
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _open_manifest(self, metadata: dict) -> dict:
+        manifest = {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
+                    **self.settings, "index_dtype": "int32", "rest_dtype": "float32",
+                    "token_hash": fmt.TOKEN_HASH, "metadata": metadata}
+        data = json.dumps(manifest, indent=2, sort_keys=True).encode()
+        # Exclusive create: of several writers starting together, one manifest wins and the
+        # others check theirs against it.
+        fmt.write_durably(self.path, fmt.MANIFEST, data, exclusive=True)
+        existing = fmt.read_manifest(self.path)
+        for key in fmt.SETTINGS:
+            if existing.get(key) != self.settings[key]:
+                raise ValueError(f"the teacher store {self.path} was written with {key}="
+                                 f"{existing.get(key)!r} but this writer has {key}="
+                                 f"{self.settings[key]!r}")
+        return existing
+
+    def _take_lock(self):
+        lock = open(os.path.join(self.path, f".writer-{self.name}.lock"), "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise RuntimeError(f"another live writer named {self.name!r} holds {self.path}; "
+                               f"give each concurrent writer its own name=") from None
+        return lock
+
+    def _remove_own_temporaries(self) -> None:
+        """Shards this writer name left unfinished when a process died (it held the lock)."""
+        own = re.compile(rf"^\.shard-{re.escape(self.name)}-\d{{6,}}\.safetensors\.tmp-\d+$")
+        for entry in os.listdir(self.path):
+            if own.match(entry):
+                os.unlink(os.path.join(self.path, entry))
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def __contains__(self, sample_id) -> bool:
+        return sample_id in self._stored
+
+    def __len__(self) -> int:
+        """Sequences stored by every writer before this one opened, and added by this one."""
+        return len(self._stored)
+
+    def add(self, sample_id, input_ids, teacher: SparseTeacher) -> None:
+        """Store one sequence: its id (str or int), its token ids ``[L]`` and its teacher rows
+        (a :class:`~topkd.SparseTeacher` with leading shape ``[L]``, from the same tokens)."""
+        self._check_open()
+        if isinstance(sample_id, bool) or not isinstance(sample_id, (str, int)):
+            raise TypeError(f"sample_id must be a str or an int, got {sample_id!r}")
+        if sample_id in self._stored:
+            raise ValueError(f"sample_id {sample_id!r} is already in the store {self.path}")
+        token_hash = fmt.token_hash(input_ids)
+        length = len(input_ids)
+        rows = self._rows(sample_id, teacher, length)
+        self._stored.add(sample_id)
+        self._pending.append((sample_id, token_hash, *rows))
+        self._pending_bytes += sum(t.numel() * t.element_size() for t in rows)
+        if self._pending_bytes >= self.shard_bytes:
+            self.flush()
+
+    def _rows(self, sample_id, teacher, length: int):
+        """Validate one sequence's teacher and pack its rows: (indices, logprobs, rest, counts)."""
+        if not isinstance(teacher, SparseTeacher):
+            raise TypeError(f"teacher must be a topkd.SparseTeacher, got "
+                            f"{type(teacher).__name__}")
+        s = self.settings
+        for key, have in (("vocab_size", teacher.vocab_size), ("k", teacher.k),
+                          ("temperature", teacher.temperature)):
+            if have != s[key]:
+                raise ValueError(f"sample {sample_id!r}: the teacher has {key}={have} but the "
+                                 f"store {self.path} has {key}={s[key]}")
+        if tuple(teacher.indices.shape) != (length, s["k"]):
+            raise ValueError(f"sample {sample_id!r}: teacher.indices must be [{length}, "
+                             f"{s['k']}] (one row per token), got {tuple(teacher.indices.shape)}")
+        indices = teacher.indices.detach().cpu()
+        logprobs = teacher.logprobs.detach().cpu().float()
+        rest = teacher.rest_logprob.detach().cpu().float().reshape(length)
+        if tuple(logprobs.shape) != tuple(indices.shape):
+            raise ValueError(f"sample {sample_id!r}: teacher.logprobs has shape "
+                             f"{tuple(logprobs.shape)}, indices {tuple(indices.shape)}")
+        used = indices >= 0
+        counts = used.sum(-1)
+        # Unused slots (-1) may only end a row: they are what top-p dropped.
+        prefix = torch.arange(s["k"]) < counts[:, None]
+        if not torch.equal(used, prefix):
+            raise ValueError(f"sample {sample_id!r}: unused slots (-1) must come after the used "
+                             f"ones in each row, as select_topk makes them")
+        if bool((indices >= s["vocab_size"]).any()):
+            raise ValueError(f"sample {sample_id!r}: teacher indices must be < vocab_size="
+                             f"{s['vocab_size']}, got {int(indices.max())}")
+        return (indices[used].to(torch.int32), logprobs[used].to(self._logprob_dtype),
+                rest, counts.to(torch.int32))
+
+    def flush(self) -> None:
+        """Write the pending sequences as one shard (nothing if there are none)."""
+        self._check_open()
+        if not self._pending:
+            return
+        from safetensors.torch import save
+
+        ids = [p[0] for p in self._pending]
+        columns = zip(*[p[2:] for p in self._pending], strict=True)
+        tensors = {n: torch.cat(c) for n, c in zip(fmt.ROW_TENSORS, columns, strict=True)}
+        rows = torch.tensor([0] + [len(p[4]) for p in self._pending]).cumsum(0)
+        entries = torch.tensor([0] + [len(p[2]) for p in self._pending]).cumsum(0)
+        if bool((tensors["counts"] == self.settings["k"]).all()):
+            del tensors["counts"]  # every row full: the counts say nothing
+        crcs = []
+        for i in range(len(ids)):
+            crcs.append(fmt.crc(_sequence_slices(tensors, rows, entries, i)))
+        tensors["seq_rows"], tensors["seq_entries"] = rows, entries
+        tensors["token_hash"] = torch.tensor([list(p[1]) for p in self._pending],
+                                             dtype=torch.uint8).reshape(len(ids), 16)
+        tensors["crc"] = torch.tensor(crcs, dtype=torch.int64)
+        metadata = {"format": fmt.FORMAT, "sample_ids": json.dumps(ids),
+                    "sha256": json.dumps({n: fmt.sha256(t) for n, t in tensors.items()})}
+        name = fmt.shard_name(self.name, self._next_number)
+        fmt.write_durably(self.path, name, save(tensors, metadata=metadata))
+        self._next_number += 1
+        self._pending, self._pending_bytes = [], 0
+
+    def close(self) -> None:
+        """Write what is pending and release the directory."""
+        if self.closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self.closed = True
+            self._lock.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"the writer for {self.path} is closed")
+
+    def __enter__(self) -> TeacherStoreWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _sequence_slices(tensors: dict, rows, entries, i: int):
+    """Sequence ``i``'s parts of the row tensors, in the order its CRC covers them."""
+    r0, r1, e0, e1 = int(rows[i]), int(rows[i + 1]), int(entries[i]), int(entries[i + 1])
+    parts = [tensors["indices"][e0:e1], tensors["logprobs"][e0:e1],
+             tensors["rest_logprob"][r0:r1]]
+    if "counts" in tensors:
+        parts.append(tensors["counts"][r0:r1])
+    return parts
+
+
+def _default_name() -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return f"rank{dist.get_rank():05d}"
+    return "main"
