@@ -103,9 +103,15 @@ class LinearRows:
         self.element_size = weight.element_size()
         self.flat_hidden = hidden.reshape(self.count, hidden.shape[-1])
 
-    def low_chunk(self, start: int, stop: int, columns: int) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias[:columns]
-        return F.linear(self.flat_hidden[start:stop], self.weight[:columns], bias)
+    def low_chunk(self, start: int, stop: int, columns: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        hidden, weight = self.flat_hidden[start:stop], self.weight[:columns]
+        if out is None:
+            bias = None if self.bias is None else self.bias[:columns]
+            return F.linear(hidden, weight, bias)
+        if self.bias is None:
+            return torch.mm(hidden, weight.T, out=out)
+        return torch.addmm(self.bias[:columns], hidden, weight.T, out=out)
 
     def rows(self, start: int, stop: int) -> LinearRows:
         return LinearRows(self.flat_hidden[start:stop], self.weight, self.bias, self.stage_rows)
@@ -114,31 +120,71 @@ class LinearRows:
         return LinearGradient(self, *needs_grad, stage_rows=self.stage_rows)
 
 
+class Storage:
+    """Reusable flat storage, viewed as a contiguous ``[rows, columns]`` tensor; grows on
+    demand (its contents are then lost)."""
+
+    def __init__(self, dtype: torch.dtype, device):
+        self.dtype, self.device = dtype, device
+        self.flat = torch.empty(0, dtype=dtype, device=device)
+
+    def view(self, rows: int, columns: int) -> torch.Tensor:
+        if self.flat.numel() < rows * columns:
+            self.flat = None  # free the old storage before making the new
+            self.flat = torch.empty(rows * columns, dtype=self.dtype, device=self.device)
+        return self.flat[:rows * columns].view(rows, columns)
+
+    def capacity(self, columns: int) -> int:
+        """Rows of ``columns`` it holds without growing."""
+        return self.flat.numel() // max(columns, 1)
+
+
 class BlockedRows:
     """A row source whose logits are made ``block_rows`` rows at a time and then read in
     smaller chunks: the matrix product of a fused LM head runs far faster over ~100+ rows than
-    over the few rows a float32 work chunk can afford. Chunks must be requested in order."""
+    over the few rows a float32 work chunk can afford. Chunks must be requested in order.
+
+    The blocks are made into one reused :class:`Storage`. For a one-pass loss (each chunk's
+    gradient is made after the chunk is read) the same storage also stages the logits
+    gradient (see :meth:`gradient`), so blocks and stage together take one buffer.
+    """
 
     def __init__(self, source, block_rows: int):
         self.source, self.block_rows = source, max(1, block_rows)
         for name in ("count", "width", "device", "element_size", "lead_shape"):
             setattr(self, name, getattr(source, name))
         self._block = (0, 0, None)  # rows [first, last) of the held block, or no block
+        self._storage = None
+        self._sink = None
 
     def low_chunk(self, start: int, stop: int, columns: int) -> torch.Tensor:
         first, last, block = self._block
         if block is None or start < first or stop > last or block.shape[1] != columns:
-            block = self._block = None  # drop the old block before making the next one
+            self._block = None
+            if self._sink is not None:
+                self._sink.flush()  # the staged gradient lives in the storage we refill
             last = min(self.count, start + max(self.block_rows, stop - start))
-            block = self.source.low_chunk(start, last, columns)
+            block = self._make(start, last, columns)
             first, self._block = start, (start, last, block)
         return block[start - first:stop - first]
+
+    def _make(self, start: int, stop: int, columns: int) -> torch.Tensor:
+        if not isinstance(self.source, LinearRows):
+            return self.source.low_chunk(start, stop, columns)  # a view: nothing to make
+        if self._storage is None:
+            self._storage = Storage(self.source.weight.dtype, self.device)
+        return self.source.low_chunk(start, stop, columns,
+                                     out=self._storage.view(stop - start, columns))
 
     def rows(self, start: int, stop: int) -> Rows:
         return Rows(self.low_chunk(start, stop, self.width))
 
-    def gradient(self, needs_grad):
-        return self.source.gradient(needs_grad)
+    def gradient(self, needs_grad) -> LinearGradient:
+        """The source's gradient, staged in this source's block storage: only for loops that
+        read each chunk (into a float32 buffer) before they add its gradient."""
+        self._storage = Storage(self.source.weight.dtype, self.device)
+        self._sink = LinearGradient(self.source, *needs_grad, stage=self._storage)
+        return self._sink
 
 
 # A stage of at least this many rows makes the weight's product in the weight's dtype.
@@ -157,7 +203,7 @@ class LinearGradient:
     """
 
     def __init__(self, rows: LinearRows, need_hidden: bool, need_weight: bool, need_bias: bool,
-                 stage_rows: int = 1):
+                 stage_rows: int = 1, stage: Storage | None = None):
         self.rows = rows
         h, w = rows.flat_hidden, rows.weight
         self.hidden = torch.zeros_like(h) if need_hidden else None
@@ -166,35 +212,40 @@ class LinearGradient:
         self.bias = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) \
             if need_bias else None
         self._stage = None
-        if (need_weight or need_hidden) and stage_rows > 1:
-            self._stage = torch.empty(min(stage_rows, rows.count), w.shape[0], dtype=w.dtype,
-                                      device=w.device)
+        if need_weight or need_hidden:
+            if stage is not None:
+                self._stage = stage
+            elif stage_rows > 1:
+                self._stage = Storage(w.dtype, w.device)
+                self._stage.view(min(stage_rows, rows.count), w.shape[0])
         self._staged = (0, 0)  # rows [first, first + count) are in the stage
         self._columns = w.shape[0]
 
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
         """Add the contribution of logits gradient rows ``[start, stop)`` (float32; columns at
         or past ``columns`` are vocabulary padding, whose gradient is zero). Chunks arrive in
-        row order."""
+        row order; a stage shared with :class:`BlockedRows` only ever receives rows at or
+        before the block position of the chunk just read, which is consumed."""
         grad = grad_chunk[:, :columns]
         self._columns = columns
         if self.bias is not None:
             self.bias[:columns] += grad.sum(0)
-        if self._stage is None or stop - start > self._stage.shape[0]:
+        count, capacity = stop - start, 0 if self._stage is None else self._stage.capacity(columns)
+        if count > capacity:
             self.flush()
             self._add_products(start, grad.to(self.rows.weight.dtype))
             return
-        first, count = self._staged
-        if count + (stop - start) > self._stage.shape[0]:
+        first, staged = self._staged
+        if staged + count > capacity:
             self.flush()
-            first, count = start, 0
-        self._stage[count:count + stop - start, :columns].copy_(grad)  # in the weight's dtype
-        self._staged = (first if count else start, count + stop - start)
+            first, staged = start, 0
+        self._stage.view(staged + count, columns)[staged:].copy_(grad)  # in the weight's dtype
+        self._staged = (first if staged else start, staged + count)
 
     def flush(self) -> None:
-        first, count = self._staged
-        if count and self._stage is not None:
-            self._add_products(first, self._stage[:count, :self._columns])
+        first, staged = self._staged
+        if staged:
+            self._add_products(first, self._stage.view(staged, self._columns))
         self._staged = (0, 0)
 
     def _add_products(self, start: int, grad_low: torch.Tensor) -> None:

@@ -87,7 +87,9 @@ def _budget(chunk_bytes, shard, rows, weight, process_group, products):
     total = chunk_bytes
     if total is None:
         total = max(1, min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION))
-    block = max(1, total * 4 // 5 // ((1 + products) * width * element))
+    # One-pass losses stage the student's gradient in its own blocks; the two-pass ones hold a
+    # stage but no student block.
+    block = max(1, total * 4 // 5 // (products * width * element))
     return chunk_rows(total // 5, width, rows, element, buffers=3), block
 
 
@@ -244,10 +246,10 @@ def fused_topk_kl_loss(
             teacher_source = BlockedRows(teacher_source, block)
 
         def run(needs, *tensors):
-            source = LinearRows(*tensors, stage_rows=block)
-            sink = source.gradient(needs)
+            source = BlockedRows(LinearRows(*tensors), block)
+            sink = source.gradient(needs)  # staged in the blocks' own storage
             loss = student.scalar_loss_and_gradients(
-                BlockedRows(source, block), partial(teacher_rows, source=teacher_source),
+                source, partial(teacher_rows, source=teacher_source),
                 _row_weights(mask, reduction, rows, weight.device), shard, shard.valid(vocab),
                 process_group, per, sink, reverse=reverse, normalize=normalize)
             return loss, sink
@@ -302,10 +304,10 @@ def fused_kl_loss(
         dense.check_aligned(shards, vocab)
 
         def run(needs, *tensors):
-            source = LinearRows(*tensors, stage_rows=block)
-            sink = source.gradient(needs)
+            source = BlockedRows(LinearRows(*tensors), block)
+            sink = source.gradient(needs)  # staged in the blocks' own storage
             loss = dense.scalar_loss_and_gradients(
-                BlockedRows(source, block), BlockedRows(kind(*teacher_tensors), block),
+                source, BlockedRows(kind(*teacher_tensors), block),
                 _row_weights(mask, reduction, rows, weight.device), temperature, bool(reverse),
                 shard.valid(vocab), process_group, per, sink)
             return loss, sink
