@@ -4,6 +4,7 @@
 needs ``transformers`` too (``topkd[hf]``).
 """
 
+from .build import build_store
 from .data import TeacherDataset, collate
 from .format import token_hash
 from .reader import TeacherStore, collate_teachers
@@ -23,5 +24,5 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()[:32]
 
 
-__all__ = ["TeacherStore", "TeacherStoreWriter", "TeacherDataset", "collate",
+__all__ = ["TeacherStore", "TeacherStoreWriter", "TeacherDataset", "build_store", "collate",
            "collate_teachers", "token_hash", "tokenizer_fingerprint", "verify_store"]

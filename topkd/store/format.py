@@ -21,8 +21,8 @@ raw little-endian arrays, memory-mapped by the reader. Its tensors:
 - ``crc`` int64 ``[S]``: CRC-32 of each sequence's bytes in the four row tensors, checked on
   every read.
 
-The header's metadata holds the sample ids (JSON) and a SHA-256 of every tensor, which
-``verify`` checks in full.
+The header's metadata holds the sample ids (JSON) with their SHA-256 (checked whenever a shard
+is opened) and a SHA-256 of every tensor, which ``verify`` checks in full.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ SHARD_SUFFIX = ".safetensors"
 SHARD_PATTERN = re.compile(r"^shard-(?P<writer>[A-Za-z0-9_.-]+)-(?P<number>\d{6,})\.safetensors$")
 WRITER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 ROW_TENSORS = ("indices", "logprobs", "rest_logprob", "counts")
+SEQUENCE_TENSORS = ("seq_rows", "seq_entries", "token_hash", "crc")
 LOGPROB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
 TOKEN_HASH = "blake2b-128 of the token ids as int64 little-endian"
@@ -64,9 +65,16 @@ def shard_files(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if SHARD_PATTERN.match(n))
 
 
+def is_sample_id(value) -> bool:
+    """Sample ids are str or int (not bool, which would equal 0 and 1 in a dict)."""
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
 def token_hash(input_ids) -> bytes:
     """BLAKE2b-128 of a sequence's token ids, as int64 little-endian bytes."""
     ids = torch.as_tensor(input_ids)
+    if ids.dim() == 1 and ids.numel() == 0:
+        ids = ids.to(torch.int64)  # torch.as_tensor([]) is float32: an empty sequence is fine
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be a 1-D sequence of integer token ids, got "
                          f"shape {tuple(ids.shape)} dtype {ids.dtype}")
@@ -89,6 +97,12 @@ def crc(tensors) -> int:
 
 def sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(tensor_bytes(t)).hexdigest()
+
+
+def ids_sha256(sample_ids_json: str) -> str:
+    """SHA-256 of a shard's ``sample_ids`` header string: the ids map reads to rows, so an
+    altered id must be caught like an altered tensor."""
+    return hashlib.sha256(sample_ids_json.encode()).hexdigest()
 
 
 def fsync_directory(path: str) -> None:

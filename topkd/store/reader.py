@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -25,11 +26,21 @@ def read_shard_ids(path: str, file: str) -> list:
     """The sample ids in one shard, from its header (which also proves the file is whole)."""
     with _open(path, file) as handle:
         metadata = handle.metadata() or {}
+    return shard_ids(metadata, os.path.join(path, file), path)
+
+
+def shard_ids(metadata: dict, where: str, path: str) -> list:
+    """The sample ids of a shard's header metadata, checked against their SHA-256."""
     try:
         ids = json.loads(metadata["sample_ids"])
+        intact = fmt.ids_sha256(metadata["sample_ids"]) == metadata["sample_ids_sha256"]
     except (KeyError, json.JSONDecodeError):
-        raise ValueError(f"teacher store shard {os.path.join(path, file)} has no readable "
-                         f"sample_ids in its header; run `topkd store verify {path}`") from None
+        raise ValueError(f"teacher store shard {where} has no readable sample_ids in its "
+                         f"header; run `topkd store verify {path}`") from None
+    if not intact or not isinstance(ids, list):
+        raise ValueError(f"teacher store shard {where}: the sample_ids in its header do not "
+                         f"match their SHA-256 (the header was altered); run "
+                         f"`topkd store verify {path}`")
     return ids
 
 
@@ -41,10 +52,22 @@ class _Shard:
         self.handle = _open(path, file)
         keys = set(self.handle.keys())
         self.has_counts = "counts" in keys
-        self.seq_rows = self.handle.get_tensor("seq_rows").tolist()
-        self.seq_entries = self.handle.get_tensor("seq_entries").tolist()
-        self.token_hash = self.handle.get_tensor("token_hash")
-        self.crc = self.handle.get_tensor("crc").tolist()
+        # The small per-sequence arrays say where every read goes and what it must hash to:
+        # check them in full once (the row data is checked per read, by its CRC-32).
+        small = {name: self.handle.get_tensor(name) for name in fmt.SEQUENCE_TENSORS}
+        try:
+            hashes = json.loads((self.handle.metadata() or {})["sha256"])
+            intact = all(fmt.sha256(t) == hashes[name] for name, t in small.items())
+        except (KeyError, json.JSONDecodeError, TypeError):
+            intact = False
+        if not intact:
+            raise ValueError(f"teacher store shard {self.file}: its sequence offsets, token "
+                             f"hashes or CRCs do not match their SHA-256 (the file was "
+                             f"altered); run `topkd store verify {path}`")
+        self.seq_rows = small["seq_rows"].tolist()
+        self.seq_entries = small["seq_entries"].tolist()
+        self.token_hash = small["token_hash"]
+        self.crc = small["crc"].tolist()
         self.slices = {name: self.handle.get_slice(name) for name in fmt.ROW_TENSORS
                        if name in keys}
 
@@ -114,7 +137,7 @@ class TeacherStore:
         return len(self._where)
 
     def __contains__(self, sample_id) -> bool:
-        return sample_id in self._where
+        return fmt.is_sample_id(sample_id) and sample_id in self._where
 
     def ids(self) -> list:
         """Every stored sample id, in shard order."""
@@ -145,6 +168,8 @@ class TeacherStore:
         one: a store row never meets tokens it was not computed from.
         """
         try:
+            if not fmt.is_sample_id(sample_id):
+                raise KeyError(sample_id)
             number, position = self._where[sample_id]
         except (KeyError, TypeError):
             raise KeyError(f"sample_id {sample_id!r} is not in the teacher store "
@@ -207,10 +232,12 @@ def collate_teachers(teachers, *, pad_to: int | None = None, k: int | None = Non
                      temperature: float | None = None) -> SparseTeacher:
     """Stack per-sequence :class:`~topkd.SparseTeacher` rows ``[L_i, K]`` into ``[B, L, K]``.
 
-    ``L`` is ``pad_to`` or the longest sequence. Padding rows hold a valid one-entry
-    distribution (all mass on index 0) so that no loss sees a NaN, and the batch's ``mask`` is
-    False there. ``k``, ``vocab_size`` and ``temperature`` describe an empty batch and must
-    agree with the teachers given.
+    ``L`` is ``pad_to`` or the longest sequence. Padding rows hold a valid distribution (half
+    the mass on index 0, half in the ghost bucket) whose forward and reverse KL are finite, so
+    the zero gradient the losses give them stays zero (with all mass on one index the reverse
+    KL is infinite there, and ``0 * inf`` is NaN); the batch's ``mask`` is False there.
+    ``k``, ``vocab_size`` and ``temperature`` describe an empty batch and must agree with the
+    teachers given.
     """
     teachers = list(teachers)
     lengths = [t.indices.shape[0] for t in teachers]
@@ -230,10 +257,12 @@ def collate_teachers(teachers, *, pad_to: int | None = None, k: int | None = Non
         raise ValueError(f"pad_to must be an int >= the longest sequence ({longest}), "
                          f"got {pad_to!r}")
     batch = len(teachers)
+    # A one-token vocabulary has no ghost: its one entry holds all the mass.
+    half = math.log(0.5) if vocab_size > 1 else 0.0
     indices = torch.full((batch, pad_to, k), -1, dtype=torch.int64)
     logprobs = torch.full((batch, pad_to, k), float("-inf"))
-    rest = torch.full((batch, pad_to), float("-inf"))
-    indices[..., 0], logprobs[..., 0] = 0, 0.0
+    rest = torch.full((batch, pad_to), half if vocab_size > 1 else float("-inf"))
+    indices[..., 0], logprobs[..., 0] = 0, half
     mask = torch.zeros((batch, pad_to), dtype=torch.bool)
     for b, (t, length) in enumerate(zip(teachers, lengths, strict=True)):
         indices[b, :length], logprobs[b, :length] = t.indices, t.logprobs

@@ -6,7 +6,7 @@ import json
 import os
 
 from . import format as fmt
-from .reader import _open
+from .reader import _open, shard_ids
 
 
 def verify_store(path: str) -> list[str]:
@@ -41,11 +41,11 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
 
     with _open(path, file) as handle:
         metadata = handle.metadata() or {}
+        ids = shard_ids(metadata, where, path)
         try:
-            ids = json.loads(metadata["sample_ids"])
             hashes = json.loads(metadata["sha256"])
         except (KeyError, json.JSONDecodeError):
-            raise bad("header metadata (sample_ids, sha256) missing or unreadable") from None
+            raise bad("header metadata (sha256) missing or unreadable") from None
         if set(hashes) != set(handle.keys()):
             raise bad(f"tensors {sorted(handle.keys())} differ from the hashed ones "
                       f"{sorted(hashes)}")

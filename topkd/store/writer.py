@@ -123,7 +123,7 @@ class TeacherStoreWriter:
     # -- writing -----------------------------------------------------------------------------
 
     def __contains__(self, sample_id) -> bool:
-        return sample_id in self._stored
+        return fmt.is_sample_id(sample_id) and sample_id in self._stored
 
     def __len__(self) -> int:
         """Sequences stored by every writer before this one opened, and added by this one."""
@@ -133,7 +133,7 @@ class TeacherStoreWriter:
         """Store one sequence: its id (str or int), its token ids ``[L]`` and its teacher rows
         (a :class:`~topkd.SparseTeacher` with leading shape ``[L]``, from the same tokens)."""
         self._check_open()
-        if isinstance(sample_id, bool) or not isinstance(sample_id, (str, int)):
+        if not fmt.is_sample_id(sample_id):
             raise TypeError(f"sample_id must be a str or an int, got {sample_id!r}")
         if sample_id in self._stored:
             raise ValueError(f"sample_id {sample_id!r} is already in the store {self.path}")
@@ -151,6 +151,9 @@ class TeacherStoreWriter:
         if not isinstance(teacher, SparseTeacher):
             raise TypeError(f"teacher must be a topkd.SparseTeacher, got "
                             f"{type(teacher).__name__}")
+        if teacher.mask is not None and not bool(teacher.mask.all()):
+            raise ValueError(f"sample {sample_id!r}: the teacher has padding rows (its mask); "
+                             f"add each sequence's own rows")
         s = self.settings
         for key, have in (("vocab_size", teacher.vocab_size), ("k", teacher.k),
                           ("temperature", teacher.temperature)):
@@ -162,10 +165,13 @@ class TeacherStoreWriter:
                              f"{s['k']}] (one row per token), got {tuple(teacher.indices.shape)}")
         indices = teacher.indices.detach().cpu()
         logprobs = teacher.logprobs.detach().cpu().float()
-        rest = teacher.rest_logprob.detach().cpu().float().reshape(length)
+        rest = teacher.rest_logprob.detach().cpu().float()
         if tuple(logprobs.shape) != tuple(indices.shape):
             raise ValueError(f"sample {sample_id!r}: teacher.logprobs has shape "
                              f"{tuple(logprobs.shape)}, indices {tuple(indices.shape)}")
+        if tuple(rest.shape) != (length,):
+            raise ValueError(f"sample {sample_id!r}: teacher.rest_logprob must be [{length}], "
+                             f"got {tuple(rest.shape)}")
         used = indices >= 0
         counts = used.sum(-1)
         # Unused slots (-1) may only end a row: they are what top-p dropped.
@@ -200,7 +206,9 @@ class TeacherStoreWriter:
         tensors["token_hash"] = torch.tensor([list(p[1]) for p in self._pending],
                                              dtype=torch.uint8).reshape(len(ids), 16)
         tensors["crc"] = torch.tensor(crcs, dtype=torch.int64)
-        metadata = {"format": fmt.FORMAT, "sample_ids": json.dumps(ids),
+        ids_json = json.dumps(ids)
+        metadata = {"format": fmt.FORMAT, "sample_ids": ids_json,
+                    "sample_ids_sha256": fmt.ids_sha256(ids_json),
                     "sha256": json.dumps({n: fmt.sha256(t) for n, t in tensors.items()})}
         name = fmt.shard_name(self.name, self._next_number)
         fmt.write_durably(self.path, name, save(tensors, metadata=metadata))

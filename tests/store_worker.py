@@ -1,0 +1,72 @@
+"""Subprocess bodies for the teacher-store tests (see test_store.py).
+
+- ``python tests/store_worker.py crash PATH COUNT SHARD_BYTES``: a writer adding sequences
+  ``s0, s1, ...`` slowly, to be killed with SIGKILL by the test while a shard is pending.
+- :func:`gloo_writer`: one rank of a gloo group writing its share of the ids to one store.
+
+Both make every sequence from its number alone (:func:`sequence`), so the parent process can
+recompute what must be stored.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import topkd  # noqa: E402
+from topkd.store import TeacherStoreWriter  # noqa: E402
+
+VOCAB, K, TOP_P = 500, 8, 0.9
+# float32 storage, so a read must equal the selection bit for bit
+SETTINGS = dict(k=K, vocab_size=VOCAB, top_p=TOP_P, logprob_dtype="float32")
+
+
+def sequence(number: int):
+    """Tokens ``[L]`` (L = number % 6, so 0 occurs), teacher logits ``[L, VOCAB]`` and their
+    top-K/top-p selection, all from ``number``."""
+    g = torch.Generator().manual_seed(1000 + number)
+    length = number % 6
+    tokens = torch.randint(0, VOCAB, (length,), generator=g)
+    logits = torch.randn(length, VOCAB, generator=g) * 3
+    return tokens, logits, topkd.select_topk(logits, K, top_p=TOP_P)
+
+
+def crash_writer(path: str, count: int, shard_bytes: int) -> None:
+    torch.set_num_threads(1)
+    with TeacherStoreWriter(path, **SETTINGS, shard_bytes=shard_bytes) as writer:
+        for number in range(count):
+            tokens, _, teacher = sequence(number)
+            writer.add(f"s{number}", tokens, teacher)
+            time.sleep(0.02)
+
+
+def gloo_writer(rank, world, port, count, store_dir, result_dir):
+    import torch.distributed as dist
+    from tp_worker import run_rank
+
+    def body(group, failures):
+        # the default name comes from the rank; each rank writes its own ids
+        with TeacherStoreWriter(store_dir, **SETTINGS, shard_bytes=400) as writer:
+            if writer.name != f"rank{rank:05d}":
+                failures.append(f"writer name {writer.name!r} on rank {rank}")
+            for number in range(rank, count, world):
+                tokens, _, teacher = sequence(number)
+                writer.add(number, tokens, teacher)
+        dist.barrier(group)
+
+    run_rank(rank, world, port, result_dir, body)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "crash":
+        crash_writer(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        raise SystemExit(f"unknown command {sys.argv[1]!r}")

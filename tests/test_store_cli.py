@@ -1,0 +1,422 @@
+"""``topkd store build / info / verify``: a tiny Hugging Face teacher built in the test (no
+downloads), run over JSON Lines, Parquet and text data; every stored teacher checked against the
+same model run online."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+import topkd  # noqa: E402
+from topkd.cli import main  # noqa: E402
+from topkd.store import (  # noqa: E402
+    TeacherStore,
+    build_store,
+    tokenizer_fingerprint,
+    verify_store,
+)
+from topkd.store.reader import read_shard_ids  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 300  # the model's vocabulary; the tokenizer has fewer tokens (as Qwen's, padded)
+WORDS = [f"w{i}" for i in range(200)]
+K = 16
+
+
+def _tokenizer(words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A 1-layer Llama (float32) and a word-level tokenizer, saved to one directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tmp_path_factory.mktemp("teacher"))
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # a peaked teacher, so top-p cuts rows below K
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(path)
+    tokenizer = _tokenizer(WORDS)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer
+
+
+def _text(rng, n):
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=rng))
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _build(teacher_dir, data, out, *extra):
+    return ["store", "build", "--teacher", teacher_dir, "--data", str(data), "--k", str(K),
+            "--out", str(out), "--no-progress", *extra]
+
+
+def _online(model, ids):
+    """The teacher's logits for one sequence, run alone (no padding, no batch)."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+
+
+def _check_against_online(store_dir, model, samples, *, top_p=None, top_p_min_k=1,
+                          temperature=1.0, bf16=False):
+    """For every sample: the stored teacher, read with its token ids, gives the student the
+    loss the online teacher gives (float32 storage: to float32 rounding; bfloat16 storage:
+    against the online teacher's log-probs rounded to bfloat16)."""
+    store = TeacherStore(store_dir, vocab_size=VOCAB, k=K, temperature=temperature)
+    assert set(store.ids()) == set(samples)
+    options = {"top_p": top_p, "top_p_min_k": top_p_min_k, "temperature": temperature}
+    for sample_id, ids in samples.items():
+        stored = store.get(sample_id, ids)
+        student = torch.randn(len(ids), VOCAB) * 3
+        if not ids:
+            assert stored.indices.shape == (0, K) and stored.rest_logprob.shape == (0,)
+            assert topkd.sparse_kl_loss(student, stored).shape == (0,)
+            continue
+        logits = _online(model, ids)
+        online = topkd.select_topk(logits, K, vocab_size=VOCAB, **options)
+        assert torch.equal(stored.indices, online.indices), sample_id
+        torch.testing.assert_close(stored.rest_logprob, online.rest_logprob, rtol=1e-5,
+                                   atol=1e-6)
+        loss = topkd.sparse_kl_loss(student, stored)
+        if bf16:
+            # each stored log-prob is the online one rounded to bfloat16; the batched forward
+            # may differ from this unbatched one by float32 rounding (~1e-7), which can only
+            # flip a value lying that close to a rounding midpoint to the other neighbour
+            assert stored.logprobs.dtype == torch.float32
+            rounded = online.logprobs.bfloat16().float()
+            flipped = stored.logprobs != rounded
+            to_stored = (stored.logprobs - online.logprobs).abs()[flipped]
+            to_rounded = (rounded - online.logprobs).abs()[flipped]
+            assert bool(((to_stored - to_rounded).abs() < 1e-5).all()), sample_id
+            assert int(flipped.sum()) <= max(1, flipped.numel() // 100)
+            rounded = topkd.SparseTeacher(online.indices,
+                                          torch.where(flipped, stored.logprobs, rounded),
+                                          online.rest_logprob, temperature, VOCAB)
+            expected = topkd.sparse_kl_loss(student, rounded)
+        else:
+            torch.testing.assert_close(stored.logprobs, online.logprobs, rtol=1e-5, atol=1e-6)
+            expected = topkd.topk_kl_loss(student, logits, K, vocab_size=VOCAB, **options)
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    return store
+
+
+def _contents(path):
+    """Every file of a store but the writers' lock files: name -> bytes."""
+    result = {}
+    for name in sorted(os.listdir(path)):
+        if not name.startswith(".writer-"):
+            with open(os.path.join(path, name), "rb") as f:
+                result[name] = f.read()
+    return result
+
+
+def test_jsonl_text_float32_info_verify(teacher, tmp_path, capsys):
+    path, model, tokenizer = teacher
+    rng = torch.Generator().manual_seed(0)
+    rows = [{"id": "a", "text": _text(rng, 9)}, {"id": "empty", "text": ""},
+            {"text": _text(rng, 4) + " unknownword"}, None, {"id": 7, "text": _text(rng, 23)},
+            {"id": "b", "text": _text(rng, 1), "other": [1, 2]}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join("\n" if r is None else json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "store"
+
+    code, stdout, _ = _run(_build(path, data, out, "--logprob-dtype", "float32",
+                                  "--batch-size", "3"), capsys)
+    assert code == 0 and "added 5 sequences" in stdout
+    # default id: the 0-based line number (the blank line 3 is skipped but counted)
+    samples = {r.get("id", i): tokenizer(r["text"])["input_ids"]
+               for i, r in enumerate(rows) if r is not None}
+    assert list(samples) == ["a", "empty", 2, 7, "b"] and samples["empty"] == []
+    tokens = sum(map(len, samples.values()))
+
+    code, stdout, _ = _run(["store", "info", str(out)], capsys)
+    assert code == 0
+    assert "sequences: 5\n" in stdout and f"tokens: {tokens}\n" in stdout
+    assert "shards: 1\n" in stdout and "bytes per token: " in stdout
+    assert '"k": 16' in stdout and '"logprob_dtype": "float32"' in stdout
+    code, stdout, _ = _run(["store", "info", "--json", str(out)], capsys)
+    info = json.loads(stdout)
+    manifest = info["manifest"]
+    assert info["sequences"] == 5 and info["tokens"] == tokens and info["shards"] == 1
+    assert info["bytes"] == sum(os.path.getsize(out / f) for f in os.listdir(out)
+                                if f.startswith("shard-"))
+    assert info["bytes_per_token"] == pytest.approx(info["bytes"] / tokens)
+    assert manifest["vocab_size"] == VOCAB and manifest["top_p"] is None
+    assert manifest["tokenizer_fingerprint"] == tokenizer_fingerprint(tokenizer)
+    assert manifest["metadata"]["model_type"] == "llama"
+    assert manifest["metadata"]["teacher"] == os.path.basename(path)
+    assert manifest["metadata"]["data"] == "data.jsonl"
+    assert manifest["metadata"]["max_length"] is None
+
+    code, stdout, _ = _run(["store", "verify", str(out)], capsys)
+    assert code == 0 and stdout.strip() == "ok: 5 sequences, 1 shards"
+    _check_against_online(out, model, samples)
+
+
+def test_jsonl_token_ids_bfloat16_truncated(teacher, tmp_path, capsys):
+    path, model, _ = teacher
+    rng = torch.Generator().manual_seed(1)
+    lists = [torch.randint(0, VOCAB, (n,), generator=rng).tolist() for n in (5, 0, 20, 12, 1)]
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in lists))
+    out = tmp_path / "store"
+    code, _, _ = _run(_build(path, data, out, "--max-length", "12", "--batch-size", "2"),
+                      capsys)
+    assert code == 0
+    store = TeacherStore(out)
+    assert store.manifest["logprob_dtype"] == "bfloat16"
+    assert store.manifest["metadata"]["max_length"] == 12
+    assert store.num_tokens() == 5 + 0 + 12 + 12 + 1
+    with pytest.raises(ValueError, match="token hash differs"):
+        store.get(2, lists[2])  # stored truncated to 12 tokens
+    _check_against_online(out, model, {i: ids[:12] for i, ids in enumerate(lists)}, bf16=True)
+
+
+def test_text_file_top_p_variable_k(teacher, tmp_path, capsys):
+    path, model, tokenizer = teacher
+    rng = torch.Generator().manual_seed(2)
+    lines = [_text(rng, 15), "", _text(rng, 30), _text(rng, 3)]
+    data = tmp_path / "data.txt"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "store"
+    code, _, _ = _run(_build(path, data, out, "--top-p", "0.8", "--top-p-min-k", "2",
+                             "--temperature", "1.5", "--logprob-dtype", "float32"), capsys)
+    assert code == 0
+    samples = {i: tokenizer(line)["input_ids"] for i, line in enumerate(lines)}
+    store = _check_against_online(out, model, samples, top_p=0.8, top_p_min_k=2,
+                                  temperature=1.5)
+    counts = torch.cat([(store.get(i).indices >= 0).sum(-1) for i in samples])
+    assert counts.min() >= 2 and counts.min() < K and len(set(counts.tolist())) > 2
+    assert store.manifest["top_p"] == 0.8 and store.manifest["top_p_min_k"] == 2
+    assert verify_store(out) == []
+
+
+def test_parquet_and_tokenizer_fingerprint(teacher, tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path, model, tokenizer = teacher
+    rng = torch.Generator().manual_seed(3)
+    ids = [f"doc-{i}" for i in range(4)]
+    texts = [_text(rng, n) for n in (6, 11, 0, 8)]
+    data = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"doc": ids, "body": texts, "n": [1, 2, 3, 4]}), data)
+    out = tmp_path / "store"
+    code, _, _ = _run(_build(path, data, out, "--text-field", "body", "--id-field", "doc"),
+                      capsys)
+    assert code == 0
+    samples = {i: tokenizer(t)["input_ids"] for i, t in zip(ids, texts, strict=True)}
+    _check_against_online(out, model, samples, bf16=True)
+
+    # read with another tokenizer's fingerprint: refused, naming both values
+    other = _tokenizer([f"x{i}" for i in range(200)])
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tokenizer)
+    TeacherStore(out, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    with pytest.raises(ValueError, match="tokenizer_fingerprint"):
+        TeacherStore(out, tokenizer_fingerprint=tokenizer_fingerprint(other))
+    # and building into it with a teacher directory holding another tokenizer: refused too
+    other_dir = tmp_path / "other-teacher"
+    shutil.copytree(path, other_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.unlink(other_dir / name)
+    other.save_pretrained(other_dir)
+    before = _contents(out)
+    code, _, err = _run(_build(str(other_dir), data, out, "--text-field", "body",
+                               "--id-field", "doc"), capsys)
+    assert code == 1 and "tokenizer_fingerprint" in err
+    assert _contents(out) == before
+
+
+def test_resume(teacher, tmp_path, capsys):
+    path, model, tokenizer = teacher
+    rng = torch.Generator().manual_seed(4)
+    texts = [_text(rng, n) for n in (7, 3, 12, 0, 5, 9)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "store"
+    # a shard per sequence with rows (the empty one, 0 bytes, shares the next one's)
+    options = {"k": K, "batch_size": 4, "shard_bytes": 1, "progress": False}
+
+    first = build_store(path, data, out, **options)
+    assert (first["added"], first["skipped"], first["tokens"]) == (6, 0, 36)
+    before = _contents(out)
+    shards = sorted(n for n in before if n.startswith("shard-"))
+    assert [read_shard_ids(str(out), n) for n in shards] == [[0], [1], [2], [3, 4], [5]]
+
+    second = build_store(path, data, out, **options)  # nothing to do, nothing changes
+    assert (second["added"], second["skipped"], second["tokens"]) == (0, 6, 0)
+    assert _contents(out) == before
+
+    samples = {i: tokenizer(t)["input_ids"] for i, t in enumerate(texts)}
+    store = TeacherStore(out)
+    lost = shards[3]
+    lost_ids = [3, 4]
+    kept = {i: store.get(i) for i in lost_ids}
+    os.unlink(out / lost)
+    third = build_store(path, data, out, **options)
+    assert (third["added"], third["skipped"]) == (len(lost_ids), 6 - len(lost_ids))
+    after = _contents(out)
+    new = set(after) - set(before)
+    assert set(before) - set(after) == {lost} and len(new) == 1
+    assert read_shard_ids(str(out), new.pop()) == lost_ids
+    store = TeacherStore(out)
+    for i in lost_ids:  # the same rows again
+        again = store.get(i, samples[i])
+        assert torch.equal(again.indices, kept[i].indices)
+        assert torch.equal(again.logprobs, kept[i].logprobs)
+    assert verify_store(out) == [] and len(store) == 6
+
+    # resuming with another truncation would mix targets: refused
+    code, _, err = _run(_build(path, data, out, "--max-length", "4"), capsys)
+    assert code == 1 and "max_length" in err
+
+
+def test_cli_errors(teacher, tmp_path, capsys):
+    path, _, _ = teacher
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "w1 w2"}) + "\n")
+    out = tmp_path / "store"
+
+    def usage_error(argv, message):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "usage:" in err and message in err, err
+
+    usage_error(["store", "build", "--teacher", path, "--data", str(data), "--out", str(out)],
+                "the following arguments are required: --k")
+    usage_error(_build(path, data, out, "--k", "0"), "argument --k: must be >= 1")
+    usage_error(_build(path, data, out, "--top-p", "1.5"), "--top-p must be in (0.0, 1.0]")
+    usage_error(_build(path, data, out, "--temperature", "0"), "--temperature must be in")
+    usage_error(_build(path, data, out, "--logprob-dtype", "int8"), "invalid choice")
+    usage_error(_build(str(tmp_path / "nope"), data, out), "is not a directory")
+    usage_error(_build(path, tmp_path / "nope.jsonl", out), "is not a file")
+    csv = tmp_path / "data.csv"
+    csv.write_text("text\nw1\n")
+    usage_error(_build(path, csv, out), "unknown format")
+    usage_error(["store", "frobnicate"], "invalid choice")
+    assert not out.exists()
+
+    # errors found by the build itself: exit 1, one line, no traceback, nothing stored
+    code, _, err = _run(_build(path, data, out, "--k", "1000"), capsys)
+    assert code == 1 and err.startswith("topkd store build: error: k must be in [1, 300]")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "w1"}) + "\n" + json.dumps({"body": "w2"}) + "\n")
+    code, _, err = _run(_build(path, bad, tmp_path / "s2"), capsys)
+    assert code == 1 and "bad.jsonl:2: no text field 'text'" in err
+    bad.write_text(json.dumps({"id": 1, "text": "w1"}) + "\n" +
+                   json.dumps({"id": 1, "text": "w2"}) + "\n")
+    code, _, err = _run(_build(path, bad, tmp_path / "s3"), capsys)
+    assert code == 1 and "sample id 1 appears twice" in err
+    bad.write_text(json.dumps({"input_ids": [1, VOCAB]}) + "\n")
+    code, _, err = _run(_build(path, bad, tmp_path / "s4"), capsys)
+    assert code == 1 and f"token id {VOCAB}, outside" in err
+
+    # a teacher directory without a tokenizer: token ids only
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in os.listdir(path):
+        if not name.startswith("tokenizer"):
+            shutil.copy(os.path.join(path, name), bare / name)
+    code, _, err = _run(_build(str(bare), data, tmp_path / "s5"), capsys)
+    assert code == 1 and "has no tokenizer" in err
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"input_ids": [3, 4, 5]}) + "\n")
+    code, _, _ = _run(_build(str(bare), ids, tmp_path / "s6"), capsys)
+    assert code == 0 and TeacherStore(tmp_path / "s6").manifest["tokenizer_fingerprint"] is None
+
+    # info / verify on something that is not a store
+    code, _, err = _run(["store", "info", str(tmp_path)], capsys)
+    assert code == 1 and "is not a topkd teacher store" in err
+    code, stdout, _ = _run(["store", "verify", str(tmp_path)], capsys)
+    assert code == 1 and "is not a topkd teacher store" in stdout
+
+
+def test_entry_point_subprocess(teacher, tmp_path):
+    """``python -m topkd store verify`` as a real process: 0 on a whole store, 1 and the
+    damaged shard named when one byte changes."""
+    path, _, _ = teacher
+    data = tmp_path / "data.txt"
+    data.write_text("w1 w2 w3\nw4\n")
+    out = tmp_path / "store"
+    build_store(path, data, out, k=K, progress=False)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    def verify():
+        return subprocess.run([sys.executable, "-m", "topkd", "store", "verify", str(out)],
+                              capture_output=True, text=True, env=env, cwd=tmp_path,
+                              timeout=120)
+
+    result = verify()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok: 2 sequences, 1 shards"
+    shard = next(n for n in os.listdir(out) if n.startswith("shard-"))
+    with open(out / shard, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x10]))
+    result = verify()
+    assert result.returncode == 1 and shard in result.stdout
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_ranks(teacher, tmp_path):
+    """WORLD_SIZE=2 as torchrun sets it: each rank starts a gloo group, takes samples
+    i % 2 == rank and writes its own shards; together they hold every sample once."""
+    path, model, tokenizer = teacher
+    rng = torch.Generator().manual_seed(5)
+    texts = [_text(rng, n) for n in (4, 6, 0, 3, 8)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"s{i}", "text": t}) + "\n"
+                            for i, t in enumerate(texts)))
+    out = tmp_path / "store"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "topkd", *_build(path, data, out, "--device", "cpu",
+                                                      "--logprob-dtype", "float32")]
+    ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path) for r in range(2)]
+    results = [p.communicate(timeout=180) for p in ranks]
+    for p, (_, stderr) in zip(ranks, results, strict=True):
+        assert p.returncode == 0, stderr
+    assert "rank 0: added 3 sequences" in results[0][0]
+    assert "rank 1: added 2 sequences" in results[1][0]
+    shards = sorted(n for n in os.listdir(out) if n.startswith("shard-"))
+    assert shards == ["shard-rank00000-000000.safetensors", "shard-rank00001-000000.safetensors"]
+    assert read_shard_ids(str(out), shards[0]) == ["s0", "s2", "s4"]
+    assert read_shard_ids(str(out), shards[1]) == ["s1", "s3"]
+    samples = {f"s{i}": tokenizer(t)["input_ids"] for i, t in enumerate(texts)}
+    _check_against_online(out, model, samples)
