@@ -704,6 +704,10 @@ def main(argv=None) -> int:
         from topkd.bench import fused
 
         return fused.main(rest[1:])
+    if rest and rest[0] == "store":  # the teacher store section: bench/store.py
+        from topkd.bench import store
+
+        return store.main(rest[1:])
     args = build_parser().parse_args(argv)
     args.rows = [r for group in args.rows for r in group]
     if args.child:

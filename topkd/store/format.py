@@ -113,18 +113,21 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def write_durably(path: str, name: str, data: bytes, *, exclusive: bool = False) -> bool:
-    """Make ``path/name`` hold ``data`` completely or not at all, even across a crash.
-
-    Writes a temporary file, fsyncs it, then renames it into place (or, with ``exclusive``,
-    links it, which fails if the name exists: returns False then) and fsyncs the directory.
+def write_durably(path: str, name: str, write, *, exclusive: bool = False) -> bool:
+    """Make ``path/name`` complete or absent, even across a crash: ``write(file_name)``
+    (or ``write`` bytes) fills a temporary file, which is fsynced, then renamed into place (or,
+    with ``exclusive``, linked, which fails if the name exists: returns False then); then the
+    directory is fsynced.
     """
     temporary = os.path.join(path, temporary_name(name) + f"-{os.getpid()}")
-    with open(temporary, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     try:
+        if isinstance(write, bytes):
+            with open(temporary, "wb") as f:
+                f.write(write)
+        else:
+            write(temporary)
+        with open(temporary, "rb+") as f:
+            os.fsync(f.fileno())
         if exclusive:
             try:
                 os.link(temporary, os.path.join(path, name))

@@ -197,7 +197,9 @@ class TeacherStore:
             used = torch.arange(k) < parts["counts"][:, None]
             full_indices = torch.full((length, k), -1, dtype=torch.int64)
             full_logprobs = torch.full((length, k), float("-inf"))
-            full_indices[used], full_logprobs[used] = indices, logprobs
+            # (masked_scatter_ is several times faster than boolean index assignment)
+            full_indices.masked_scatter_(used, indices)
+            full_logprobs.masked_scatter_(used, logprobs)
             indices, logprobs = full_indices, full_logprobs
         else:
             indices, logprobs = indices.reshape(length, k), logprobs.reshape(length, k)
