@@ -187,8 +187,9 @@ class BlockedRows:
         return self._sink
 
 
-# A stage of at least this many rows makes the weight's product in the weight's dtype, a tile
-# of this many weight rows at a time (measured fastest on CPU at 512-1,024 of 151,936 x 1,024).
+# A stage of at least _ROUNDED_PRODUCT_ROWS rows makes the weight's product in the weight's
+# dtype, at most _WEIGHT_TILE_ROWS weight rows at a time (fastest on this CPU at 512-1,024 rows
+# of a 151,936 x 1,024 weight).
 _ROUNDED_PRODUCT_ROWS = 64
 _WEIGHT_TILE_ROWS = 1024
 
@@ -222,7 +223,6 @@ class LinearGradient:
                 self._stage.view(min(stage_rows, rows.count), w.shape[0])
         self._staged = (0, 0)  # rows [first, first + count) are in the stage
         self._columns = w.shape[0]
-        self._tiles = None
 
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
         """Add the contribution of logits gradient rows ``[start, stop)`` (float32; columns at
@@ -268,10 +268,13 @@ class LinearGradient:
         if count >= _ROUNDED_PRODUCT_ROWS:
             # A product over a whole stage runs at the dtype's full speed; rounding its output
             # once per stage costs far less than the bf16 rounding of the logits gradient
-            # itself, which the unfused path has too. The output goes through two small tile
-            # buffers, made once: fresh tile-sized tensors cost a quarter of the time here.
-            low, wide = self._weight_tiles(hidden.shape[1])
-            tile = low.shape[0]
+            # itself, which the unfused path has too. Its output goes through two tile
+            # buffers made once per stage (fresh tile-sized tensors cost a quarter of the time
+            # here), of at most half the stage's bytes and freed at once, like the work chunks
+            # they share the budget with.
+            tile = min(_WEIGHT_TILE_ROWS, max(1, count * columns // (6 * hidden.shape[1])))
+            low = hidden.new_empty(tile, hidden.shape[1])
+            wide = torch.empty(low.shape, dtype=torch.float32, device=low.device)
             for lo in range(0, columns, tile):
                 hi = min(columns, lo + tile)
                 product = torch.mm(grad_low[:, lo:hi].T, hidden, out=low[:hi - lo])
@@ -286,20 +289,10 @@ class LinearGradient:
             hi = min(columns, lo + tile)
             self.weight[lo:hi].addmm_(grad_low[:, lo:hi].T.float(), hidden)
 
-    def _weight_tiles(self, width: int):
-        """The weight gradient's tile buffers: ``_WEIGHT_TILE_ROWS`` rows in the weight's
-        dtype and in float32."""
-        if self._tiles is None:
-            w = self.rows.weight
-            rows = min(_WEIGHT_TILE_ROWS, w.shape[0])
-            self._tiles = (torch.empty(rows, width, dtype=w.dtype, device=w.device),
-                           torch.empty(rows, width, dtype=torch.float32, device=w.device))
-        return self._tiles
-
     def finish(self, columns: int) -> None:
         """After the chunk loop: add what is still staged, and drop the stage."""
         self.flush()
-        self._stage = self._tiles = None
+        self._stage = None
 
     def result(self, scale: torch.Tensor | None = None) -> tuple:
         """The gradients in the inputs' dtypes, times ``scale`` (the upstream gradient of a
