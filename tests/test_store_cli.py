@@ -83,10 +83,10 @@ def _online(model, ids):
 
 
 def _check_against_online(store_dir, model, samples, *, top_p=None, top_p_min_k=1,
-                          temperature=1.0, bf16=False):
+                          temperature=1.0, low=None):
     """For every sample: the stored teacher, read with its token ids, gives the student the
-    loss the online teacher gives (float32 storage: to float32 rounding; bfloat16 storage:
-    against the online teacher's log-probs rounded to bfloat16)."""
+    loss the online teacher gives (float32 storage: to float32 rounding; ``low`` (bfloat16 or
+    float16) storage: against the online teacher's log-probs rounded to ``low``)."""
     store = TeacherStore(store_dir, vocab_size=VOCAB, k=K, temperature=temperature)
     assert set(store.ids()) == set(samples)
     options = {"top_p": top_p, "top_p_min_k": top_p_min_k, "temperature": temperature}
@@ -103,12 +103,12 @@ def _check_against_online(store_dir, model, samples, *, top_p=None, top_p_min_k=
         torch.testing.assert_close(stored.rest_logprob, online.rest_logprob, rtol=1e-5,
                                    atol=1e-6)
         loss = topkd.sparse_kl_loss(student, stored)
-        if bf16:
-            # each stored log-prob is the online one rounded to bfloat16; the batched forward
+        if low is not None:
+            # each stored log-prob is the online one rounded to ``low``; the batched forward
             # may differ from this unbatched one by float32 rounding (~1e-7), which can only
             # flip a value lying that close to a rounding midpoint to the other neighbour
             assert stored.logprobs.dtype == torch.float32
-            rounded = online.logprobs.bfloat16().float()
+            rounded = online.logprobs.to(low).float()
             flipped = stored.logprobs != rounded
             to_stored = (stored.logprobs - online.logprobs).abs()[flipped]
             to_rounded = (rounded - online.logprobs).abs()[flipped]
@@ -185,8 +185,8 @@ def test_jsonl_token_ids_bfloat16_truncated(teacher, tmp_path, capsys):
     data = tmp_path / "ids.jsonl"
     data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in lists))
     out = tmp_path / "store"
-    code, _, _ = _run(_build(path, data, out, "--max-length", "12", "--batch-size", "2"),
-                      capsys)
+    code, _, _ = _run(_build(path, data, out, "--max-length", "12", "--batch-size", "2",
+                             "--logprob-dtype", "bfloat16"), capsys)
     assert code == 0
     store = TeacherStore(out)
     assert store.manifest["logprob_dtype"] == "bfloat16"
@@ -194,7 +194,7 @@ def test_jsonl_token_ids_bfloat16_truncated(teacher, tmp_path, capsys):
     assert store.num_tokens() == 5 + 0 + 12 + 12 + 1
     with pytest.raises(ValueError, match="token hash differs"):
         store.get(2, lists[2])  # stored truncated to 12 tokens
-    _check_against_online(out, model, {i: ids[:12] for i, ids in enumerate(lists)}, bf16=True)
+    _check_against_online(out, model, {i: ids[:12] for i, ids in enumerate(lists)}, low=torch.bfloat16)
 
 
 def test_text_file_top_p_variable_k(teacher, tmp_path, capsys):
@@ -230,7 +230,8 @@ def test_parquet_and_tokenizer_fingerprint(teacher, tmp_path, capsys):
                       capsys)
     assert code == 0
     samples = {i: tokenizer(t)["input_ids"] for i, t in zip(ids, texts, strict=True)}
-    _check_against_online(out, model, samples, bf16=True)
+    assert TeacherStore(out).manifest["logprob_dtype"] == "float16"  # the default
+    _check_against_online(out, model, samples, low=torch.float16)
 
     # read with another tokenizer's fingerprint: refused, naming both values
     other = _tokenizer([f"x{i}" for i in range(200)])

@@ -92,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per forward pass (default 8)")
     build.add_argument("--max-length", type=_int_at_least(1), metavar="L",
                        help="truncate every sequence to L tokens (default: no truncation)")
-    build.add_argument("--logprob-dtype", choices=("bfloat16", "float16", "float32"),
-                       default="bfloat16", help="dtype of the stored log-probs (default "
-                       "bfloat16)")
+    build.add_argument("--logprob-dtype", choices=("float16", "bfloat16", "float32"),
+                       default="float16", help="dtype of the stored log-probs (default "
+                       "float16: as small as bfloat16, 8x finer)")
     build.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto", help="the teacher's weights (default auto: the "
                        "checkpoint's)")

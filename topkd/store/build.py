@@ -256,7 +256,7 @@ class _Progress:
 
 def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
                 top_p_min_k: int = 1, temperature: float = 1.0, batch_size: int = 8,
-                max_length: int | None = None, logprob_dtype: str = "bfloat16",
+                max_length: int | None = None, logprob_dtype: str = "float16",
                 text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
                 dtype="auto", device=None, shard_bytes: int = 256 * 2**20,
                 progress: bool = True) -> dict:

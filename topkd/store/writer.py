@@ -26,8 +26,10 @@ class TeacherStoreWriter:
         vocab_size: the vocabulary the teacher was normalized over, up to ``2**31 - 2``.
         top_p, top_p_min_k, temperature: the selection's settings, recorded in the manifest;
             every added teacher must have this ``k``, temperature and vocabulary.
-        logprob_dtype: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"`` for the kept
-            log-probs. Indices are int32 and the ghost log-mass float32 in every case.
+        logprob_dtype: ``"float16"`` (default), ``"bfloat16"`` or ``"float32"`` for the kept
+            log-probs. Log-probs lie in ``[-inf, 0]`` and float16 holds them to 2^-11 relative
+            where bfloat16 gives 2^-8, at the same size (the benchmark measures a 25x smaller
+            loss error). Indices are int32 and the ghost log-mass float32 in every case.
         tokenizer_fingerprint: identifies the tokenizer (see :func:`tokenizer_fingerprint`);
             a reader asking for another one is refused.
         metadata: free JSON-serializable information kept in the manifest.
@@ -43,7 +45,7 @@ class TeacherStoreWriter:
 
     def __init__(self, path: str, *, k: int, vocab_size: int, top_p: float | None = None,
                  top_p_min_k: int = 1, temperature: float = 1.0,
-                 logprob_dtype: str = "bfloat16", tokenizer_fingerprint: str | None = None,
+                 logprob_dtype: str = "float16", tokenizer_fingerprint: str | None = None,
                  metadata: dict | None = None, name: str | None = None,
                  shard_bytes: int = 256 * 2**20):
         vocab_size = _checks.integer("vocab_size", vocab_size, 1, _checks.MAX_VOCAB)
