@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import torch
 
 # SPEC section 4
@@ -160,3 +163,38 @@ def memory_events(fn):
     assert events, "the profiler recorded no [memory] events"
     events.sort(key=lambda e: e.start_ns())
     return events
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks(fn, world: int, args: tuple, result_dir, deadline_s: float = 300) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes. Past ``deadline_s`` they are
+    killed and the test fails (a hang in a collective must not hang the suite); then every
+    rank's ``result_dir/rank<r>.txt`` must say ``OK`` (else it holds that rank's report)."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world} ranks of {fn.__name__} did not finish within "
+                            f"{deadline_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    reports = []
+    for rank in range(world):
+        path = result_dir / f"rank{rank}.txt"
+        assert path.exists(), f"rank {rank} wrote no result"
+        text = path.read_text()
+        if text != "OK":
+            reports.append(f"--- rank {rank} ---\n{text}")
+    assert not reports, "\n".join(reports)

@@ -5,12 +5,9 @@ cases, because starting processes is the slow part. Every wait has a timeout so 
 fails the test instead of hanging it.
 """
 
-import socket
-import time
-
+import helpers
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import tp_worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -19,34 +16,10 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 DEADLINE_S = 300
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(world, layouts, check_comm, tmp_path):
-    ctx = mp.start_processes(tp_worker.worker,
-                             args=(world, _free_port(), layouts, check_comm, str(tmp_path)),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"tensor-parallel ranks did not finish within {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    reports = []
-    for rank in range(world):
-        path = tmp_path / f"rank{rank}.txt"
-        assert path.exists(), f"rank {rank} wrote no result"
-        text = path.read_text()
-        if text != "OK":
-            reports.append(f"--- rank {rank} ---\n{text}")
-    assert not reports, "\n".join(reports)
+    helpers.spawn_ranks(tp_worker.worker, world, (world, helpers.free_port(), layouts,
+                                                  check_comm, str(tmp_path)), tmp_path,
+                        DEADLINE_S)
 
 
 def test_two_ranks(tmp_path):

@@ -14,7 +14,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -103,12 +102,6 @@ def _rewrite_header(file, edit) -> None:
 
 def _shards(path):
     return shard_files(str(path))
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- 1. round trip ---------------------------------------------------------------------------
@@ -573,26 +566,13 @@ def test_leftover_temporary_and_live_lock(tmp_path):
                     or not torch.distributed.is_gloo_available(),
                     reason="torch.distributed with gloo is not available")
 def test_two_gloo_ranks_write_one_store(tmp_path):
-    import torch.multiprocessing as mp
 
     store_dir, result_dir = tmp_path / "store", tmp_path / "results"
     result_dir.mkdir()
     world, count, deadline_s = 2, 12, 120
-    ctx = mp.start_processes(store_worker.gloo_writer,
-                             args=(world, _free_port(), count, str(store_dir), str(result_dir)),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the writer ranks did not finish within {deadline_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    for rank in range(world):
-        assert (result_dir / f"rank{rank}.txt").read_text() == "OK"
+    helpers.spawn_ranks(store_worker.gloo_writer, world,
+                        (world, helpers.free_port(), count, str(store_dir), str(result_dir)),
+                        result_dir, deadline_s)
 
     assert verify_store(store_dir) == []
     store = TeacherStore(store_dir)

@@ -5,10 +5,10 @@ same model run online."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
+import helpers
 import pytest
 import torch
 
@@ -194,7 +194,8 @@ def test_jsonl_token_ids_bfloat16_truncated(teacher, tmp_path, capsys):
     assert store.num_tokens() == 5 + 0 + 12 + 12 + 1
     with pytest.raises(ValueError, match="token hash differs"):
         store.get(2, lists[2])  # stored truncated to 12 tokens
-    _check_against_online(out, model, {i: ids[:12] for i, ids in enumerate(lists)}, low=torch.bfloat16)
+    _check_against_online(out, model, {i: ids[:12] for i, ids in enumerate(lists)},
+                          low=torch.bfloat16)
 
 
 def test_text_file_top_p_variable_k(teacher, tmp_path, capsys):
@@ -386,12 +387,6 @@ def test_entry_point_subprocess(teacher, tmp_path):
     assert result.returncode == 1 and shard in result.stdout
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_two_ranks(teacher, tmp_path):
     """WORLD_SIZE=2 as torchrun sets it: each rank starts a gloo group, takes samples
     i % 2 == rank and writes its own shards; together they hold every sample once."""
@@ -403,7 +398,7 @@ def test_torchrun_two_ranks(teacher, tmp_path):
                             for i, t in enumerate(texts)))
     out = tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(helpers.free_port()),
            "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "topkd", *_build(path, data, out, "--device", "cpu",
                                                       "--logprob-dtype", "float32")]
