@@ -72,25 +72,31 @@ def _one_pass(tensors, reduction) -> bool:
 # The fused losses make the logits with one matrix product per block of rows and stage the
 # logits gradient for the products that make the hidden states' and weight's gradients (see
 # BlockedRows, LinearGradient); those products run near full speed from ~100 rows. By default
-# the blocks, the stage and the float32 work chunks share a sixth of the bytes the logits
-# would take (at most 512 MiB): 80% for the blocks and the stage, 20% for the work chunks.
+# the blocks and the float32 work chunks share a fifth of the bytes the logits would take (at
+# most 512 MiB): 80% for the blocks, 20% for the work chunks. A teacher given as (hidden,
+# weight) gets blocks a quarter as tall as the student's: its blocks only feed its own
+# product, while the student's also set how often the weight's float32 accumulator is read
+# and written (once per block), which costs more than a shorter teacher product.
 _FUSED_CHUNK_BYTES = 512 * 2**20
-_FUSED_FRACTION = 6
+_FUSED_FRACTION = 5
+_TEACHER_BLOCK_DIVISOR = 4
 
 
-def _budget(chunk_bytes, shard, rows, weight, process_group, products):
-    """``(work chunk rows, block rows)`` for ``products`` logits-making sources (the student,
-    and the teacher when it is a hidden/weight pair), from numbers every rank shares: the
-    one-pass loops combine statistics per chunk, so every rank must cut the same chunks."""
+def _budget(chunk_bytes, shard, rows, weight, process_group, teacher_blocks):
+    """``(work chunk rows, student block rows, teacher block rows)``, the teacher's only with
+    ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the one-pass
+    loops combine statistics per chunk, so every rank must cut the same chunks. One-pass losses
+    stage the student's gradient in its own blocks; the two-pass ones hold a stage of that many
+    rows but no student block."""
     width = -(-shard.total // parallel.world_size(process_group)) + 1
     element = weight.element_size()
     total = chunk_bytes
     if total is None:
         total = max(1, min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION))
-    # One-pass losses stage the student's gradient in its own blocks; the two-pass ones hold a
-    # stage but no student block.
-    block = max(1, total * 4 // 5 // (products * width * element))
-    return chunk_rows(total // 5, width, rows, element, buffers=3), block
+    row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
+    block = max(1, int(total * 4 // 5 // row_bytes))
+    teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
+    return chunk_rows(total // 5, width, rows, element, buffers=3), block, teacher_block
 
 
 def _teacher_slice(teacher: SparseTeacher, rows: int, start: int, stop: int) -> SparseTeacher:
@@ -215,7 +221,7 @@ def fused_topk_kl_loss(
             raise ValueError(f"the teacher was normalized over vocab_size={teacher.vocab_size} "
                              f"but the student's vocabulary is {vocab}")
 
-        teacher_source, products = None, 1
+        teacher_source = None
 
         def teacher_rows(start, stop, source=None):
             return _teacher_slice(teacher, rows, start, stop)
@@ -229,7 +235,7 @@ def fused_topk_kl_loss(
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                    ("teacher width", shards["teacher"].total))
         k = _checks.integer("k", k, 1, vocab)
-        teacher_source, products = kind(*teacher_tensors), 1 + (kind is LinearRows)
+        teacher_source = kind(*teacher_tensors)
         # One budget for the whole call (the chunks' own row counts would shrink it).
         teacher_bytes = budget_bytes(chunk_bytes, rows, shards["teacher"].width,
                                      teacher_source.element_size)
@@ -240,10 +246,11 @@ def fused_topk_kl_loss(
                                teacher_bytes, scale=1)
 
     shard = shards["student"]
-    per, block = _budget(chunk_bytes, shard, rows, weight, process_group, products)
+    per, block, teacher_block = _budget(chunk_bytes, shard, rows, weight, process_group,
+                                        isinstance(teacher_source, LinearRows))
     if _one_pass(tensors, reduction):
         if isinstance(teacher_source, LinearRows):
-            teacher_source = BlockedRows(teacher_source, block)
+            teacher_source = BlockedRows(teacher_source, teacher_block)
 
         def run(needs, *tensors):
             source = BlockedRows(LinearRows(*tensors), block)
@@ -297,8 +304,8 @@ def fused_kl_loss(
     vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                ("teacher width", shards["teacher"].total))
     rows = lead_shape.numel()
-    per, block = _budget(chunk_bytes, shards["student"], rows, weight, process_group,
-                         1 + (kind is LinearRows))
+    per, block, teacher_block = _budget(chunk_bytes, shards["student"], rows, weight,
+                                        process_group, kind is LinearRows)
     if _one_pass(tensors, reduction):
         shard = shards["student"]
         dense.check_aligned(shards, vocab)
@@ -307,7 +314,7 @@ def fused_kl_loss(
             source = BlockedRows(LinearRows(*tensors), block)
             sink = source.gradient(needs)  # staged in the blocks' own storage
             loss = dense.scalar_loss_and_gradients(
-                source, BlockedRows(kind(*teacher_tensors), block),
+                source, BlockedRows(kind(*teacher_tensors), teacher_block or block),
                 _row_weights(mask, reduction, rows, weight.device), temperature, bool(reverse),
                 shard.valid(vocab), process_group, per, sink)
             return loss, sink
