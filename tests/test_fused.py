@@ -499,19 +499,21 @@ MEM_ROWS, MEM_H, MEM_V, MEM_K = 512, 256, 32000, 512
 MEM_BOUND = 0.25  # x the bytes of the student logits [rows, V] in bf16 (SPEC 4, issue 3)
 
 
-def _memory_inputs(teacher):
+def _memory_inputs(teacher, rows=MEM_ROWS):
     g = torch.Generator().manual_seed(0)
 
     def bf16(*shape, scale):
         return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
-    h = bf16(MEM_ROWS, MEM_H, scale=1.0).requires_grad_(True)
+    h = bf16(rows, MEM_H, scale=1.0).requires_grad_(True)
     w = bf16(MEM_V, MEM_H, scale=2.0 / MEM_H ** 0.5).requires_grad_(True)
     b = bf16(MEM_V, scale=0.5).requires_grad_(True)
     if teacher == "logits":
-        t = bf16(MEM_ROWS, MEM_V, scale=2.5)
+        t = bf16(rows, MEM_V, scale=2.5)
+    elif teacher == "transposed":  # [s, b, V] that cannot be viewed as rows
+        t = bf16(2, rows // 2, MEM_V, scale=2.5).transpose(0, 1)
     else:
-        t = (bf16(MEM_ROWS, MEM_H, scale=1.0), bf16(MEM_V, MEM_H, scale=2.5 / MEM_H ** 0.5))
+        t = (bf16(rows, MEM_H, scale=1.0), bf16(MEM_V, MEM_H, scale=2.5 / MEM_H ** 0.5))
     return h, w, b, t
 
 
@@ -535,17 +537,27 @@ def _peak_not_counting(fn, allowed):
     return peak, raw
 
 
-@pytest.mark.parametrize("teacher,chunk_bytes", [("logits", None), ("pair", 1 << 20)],
-                         ids=["logits-chunkDefault", "pair-chunk1MiB"])
-def test_peak_memory_bound(teacher, chunk_bytes):
+@pytest.mark.parametrize("loss,teacher,rows,chunk_bytes", [
+    ("topk", "logits", MEM_ROWS, None), ("topk", "pair", MEM_ROWS, 1 << 20),
+    # small batches: blocks of fewer than 64 rows take the float32 weight-product path
+    ("topk", "logits", 128, None), ("topk", "pair", 128, None), ("kl", "pair", 128, None),
+    ("kl", "pair", MEM_ROWS, None), ("kl", "transposed", 256, None),
+], ids=["topk-logits", "topk-pair-chunk1MiB", "topk-logits-128", "topk-pair-128",
+        "kl-pair-128", "kl-pair", "kl-transposed-256"])
+def test_peak_memory_bound(loss, teacher, rows, chunk_bytes):
     """Peak bytes above the inputs during forward + backward, not counting the returned
     gradients and one float32 accumulator of the weight's shape, <= 0.25 x the bytes of the
     student logits [rows, V] in bf16 (issue 3). K / V as at SPEC 4's shape (4,096 / 248,320)."""
-    h, w, b, t = _memory_inputs(teacher)
+    h, w, b, t = _memory_inputs(teacher, rows)
+    hidden = h.view(t.shape[0], t.shape[1], MEM_H) if teacher == "transposed" else h
 
     def step():
-        out = topkd.fused_topk_kl_loss(h, w, t, MEM_K, bias=b, chunk_bytes=chunk_bytes,
-                                       reduction="mean")
+        if loss == "topk":
+            out = topkd.fused_topk_kl_loss(hidden, w, t, MEM_K, bias=b,
+                                           chunk_bytes=chunk_bytes, reduction="mean")
+        else:
+            out = topkd.fused_kl_loss(hidden, w, t, bias=b, chunk_bytes=chunk_bytes,
+                                      reduction="mean")
         out.backward()
 
     sizes = [h.numel() * 2, w.numel() * 2, b.numel() * 2]  # the returned bf16 gradients
@@ -555,11 +567,11 @@ def test_peak_memory_bound(teacher, chunk_bytes):
     peak, raw = _peak_not_counting(step, allowed)
     for x in (h, w, b):
         assert x.grad is not None and x.grad.dtype == torch.bfloat16
-    logits_bytes = MEM_ROWS * MEM_V * 2
+    logits_bytes = rows * MEM_V * 2
     # the measurement is not vacuous: it sees the returned gradients themselves
     assert raw >= sum(sizes), f"raw peak {raw} below the returned gradients' {sum(sizes)} bytes"
     ratio = peak / logits_bytes
-    print(f"fused topk {teacher} chunk={chunk_bytes}: {ratio:.3f} x logits "
+    print(f"fused {loss} {teacher} rows={rows} chunk={chunk_bytes}: {ratio:.3f} x logits "
           f"(raw peak {raw / 2**20:.1f} MiB)")
     assert ratio <= MEM_BOUND, (
         f"peak {peak / 2**20:.1f} MiB not counting gradients and the float32 accumulator = "

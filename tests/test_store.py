@@ -878,3 +878,65 @@ def test_writer_bad_inputs(tmp_path):
             call()
     store = TeacherStore(tmp_path)
     assert store.ids() == ["a"] and store.manifest["metadata"] == {"run": [1, "x"]}
+
+
+def test_numpy_integer_ids_are_ints(tmp_path):
+    np = pytest.importorskip("numpy")
+    seqs = _sequences([2, 3])
+    with TeacherStoreWriter(tmp_path, k=K, vocab_size=V) as writer:
+        writer.add(np.int64(5), seqs[0][0], seqs[0][2])
+        assert 5 in writer and np.int32(5) in writer
+        with pytest.raises(ValueError, match="already in the store"):
+            writer.add(5, seqs[1][0], seqs[1][2])
+    store = TeacherStore(tmp_path)
+    assert store.ids() == [5] and type(store.ids()[0]) is int
+    assert np.int64(5) in store
+    _assert_same_teacher(store.get(np.int16(5), seqs[0][0]),
+                         topkd.SparseTeacher(seqs[0][2].indices,
+                                             seqs[0][2].logprobs.half().float(),
+                                             seqs[0][2].rest_logprob, 1.0, V), "np id")
+
+
+def test_failed_setup_releases_the_lock_and_failed_close_can_retry(tmp_path, monkeypatch):
+    import fcntl
+
+    _, files = _damage_fixture(tmp_path)
+    file = os.path.join(tmp_path, files[-1])
+    saved = open(file, "rb").read()
+    with open(file, "r+b") as f:
+        f.truncate(len(saved) - 10)
+    with pytest.raises(ValueError, match=re.escape(file)) as failure:
+        TeacherStoreWriter(tmp_path, k=K, vocab_size=V, logprob_dtype="float32")
+    # while the exception (and its traceback) is alive, the lock is already free
+    with open(os.path.join(tmp_path, ".writer-main.lock")) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    del failure
+    with open(file, "wb") as f:
+        f.write(saved)
+
+    # a shard write that fails once: close raises, the rows stay queued, close again works
+    import topkd.store.format as fmt
+
+    real, calls = fmt.write_durably, []
+
+    def flaky(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise OSError("disk full")
+        return real(*args, **kwargs)
+
+    seqs = _sequences([2, 3], seed=5)
+    writer = TeacherStoreWriter(tmp_path, k=K, vocab_size=V, logprob_dtype="float32")
+    writer.add("late0", seqs[0][0], seqs[0][2])
+    writer.add("late1", seqs[1][0], seqs[1][2])
+    monkeypatch.setattr(fmt, "write_durably", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        writer.close()
+    assert not writer.closed
+    writer.close()
+    assert writer.closed and len(calls) == 2
+    store = TeacherStore(tmp_path)
+    for i in range(2):
+        _assert_same_teacher(store.get(f"late{i}", seqs[i][0]), seqs[i][2], f"late{i}")
+    assert verify_store(tmp_path) == []

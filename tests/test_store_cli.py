@@ -416,3 +416,38 @@ def test_torchrun_two_ranks(teacher, tmp_path):
     assert read_shard_ids(str(out), shards[1]) == ["s1", "s3"]
     samples = {f"s{i}": tokenizer(t)["input_ids"] for i, t in enumerate(texts)}
     _check_against_online(out, model, samples)
+
+
+def test_resume_refuses_another_checkpoint_of_the_same_name(teacher, tmp_path, capsys):
+    """Two checkpoints in directories of one name (run-a/final, run-b/final): the second
+    build into the first's store is refused by the teacher fingerprint."""
+    path, model, _ = teacher
+    first, second = tmp_path / "run-a" / "final", tmp_path / "run-b" / "final"
+    shutil.copytree(path, first)
+    shutil.copytree(path, second)
+    changed = type(model)(model.config)
+    changed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        changed.lm_head.weight.add_(1.0)
+    changed.save_pretrained(second)
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [i, i + 1, i + 2]}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "store"
+    assert _run(_build(str(first), data, out), capsys)[0] == 0
+    before = _contents(out)
+    data.write_text(data.read_text() + json.dumps({"input_ids": [7, 8]}) + "\n")
+    code, _, err = _run(_build(str(second), data, out), capsys)
+    assert code == 1 and "teacher_fingerprint" in err, err
+    assert _contents(out) == before
+
+
+def test_build_checks_settings_before_loading_the_teacher(tmp_path):
+    data = tmp_path / "ids.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
+    # the teacher directory does not even exist: the settings are refused first
+    for options, name in (({"temperature": -1.0}, "temperature"), ({"top_p": 2.0}, "top_p"),
+                          ({"shard_bytes": 0}, "shard_bytes")):
+        with pytest.raises(ValueError, match=name):
+            topkd.store.build_store(tmp_path / "missing", data, tmp_path / "out", k=4,
+                                    **options)

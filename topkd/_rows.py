@@ -282,9 +282,10 @@ class LinearGradient:
                 self.weight[lo:hi].add_(wide[:hi - lo].copy_(product))
             return
         # Over few rows that rounding would be per row: run the products in float32 instead
-        # (a float32 tile is at most half the stage's bytes).
+        # (a float32 tile is at most a quarter of the stage's bytes: the stage may be a whole
+        # block, most of the budget).
         hidden = hidden.float()
-        tile = max(1, columns // 2)
+        tile = max(1, columns * grad_low.element_size() // 16)
         for lo in range(0, columns, tile):
             hi = min(columns, lo + tile)
             self.weight[lo:hi].addmm_(grad_low[:, lo:hi].T.float(), hidden)

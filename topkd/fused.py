@@ -94,9 +94,11 @@ def _budget(chunk_bytes, shard, rows, weight, process_group, teacher_blocks):
     if total is None:
         total = max(1, min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION))
     row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
-    block = max(1, int(total * 4 // 5 // row_bytes))
+    per = chunk_rows(total // 5, width, rows, element, buffers=3)
+    # Whole chunks per block: a block starts at a chunk, so a remainder would be made again.
+    block = max(per, int(total * 4 // 5 // row_bytes) // per * per)
     teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
-    return chunk_rows(total // 5, width, rows, element, buffers=3), block, teacher_block
+    return per, block, teacher_block
 
 
 def _teacher_slice(teacher: SparseTeacher, rows: int, start: int, stop: int) -> SparseTeacher:
@@ -314,7 +316,9 @@ def fused_kl_loss(
             source = BlockedRows(LinearRows(*tensors), block)
             sink = source.gradient(needs)  # staged in the blocks' own storage
             loss = dense.scalar_loss_and_gradients(
-                source, BlockedRows(kind(*teacher_tensors), teacher_block or block),
+                # (teacher logits are read chunk by chunk as they are: no blocks to make)
+                source, kind(*teacher_tensors) if kind is Rows else
+                BlockedRows(kind(*teacher_tensors), teacher_block),
                 _row_weights(mask, reduction, rows, weight.device), temperature, bool(reverse),
                 shard.valid(vocab), process_group, per, sink)
             return loss, sink

@@ -29,7 +29,8 @@ MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
 # Metadata a resumed build must agree with: mixing them in one store would mix targets.
-RESUME_METADATA = ("teacher", "model_type", "max_length")
+RESUME_METADATA = ("teacher", "teacher_fingerprint", "model_type", "model_dtype",
+                   "max_length")
 
 
 def data_format(path: str) -> str:
@@ -173,7 +174,7 @@ def _distributed(device):
         raise RuntimeError("WORLD_SIZE > 1 but torch.distributed is not available")
     use_cuda = torch.cuda.is_available() and (device is None or
                                               torch.device(device).type == "cuda")
-    if use_cuda and device is None:
+    if use_cuda and (device is None or torch.device(device).index is None):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     if use_cuda:
         torch.cuda.set_device(torch.device(device))
@@ -205,6 +206,8 @@ def _metadata(teacher_dir, model, data, max_length, tokenizer) -> dict:
     return {
         "builder": "topkd.store.build",
         "teacher": os.path.basename(os.path.normpath(os.path.abspath(teacher_dir))),
+        # the directory's name alone would let two checkpoints named alike mix in one store
+        "teacher_fingerprint": teacher_fingerprint(teacher_dir),
         "model_type": getattr(model.config, "model_type", None),
         "model_dtype": str(model.dtype).removeprefix("torch."),
         "data": os.path.basename(os.fspath(data)),
@@ -215,6 +218,27 @@ def _metadata(teacher_dir, model, data, max_length, tokenizer) -> dict:
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
     }
+
+
+def teacher_fingerprint(directory: str, sample_bytes: int = 2**20) -> str:
+    """A cheap fingerprint of a checkpoint directory: SHA-256 over ``config.json`` and, for
+    every weight file, its name, size and first and last ``sample_bytes`` (which differ between
+    two checkpoints of one model; hashing hundreds of GB in full would take minutes)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name != "config.json" and not name.endswith((".safetensors", ".bin", ".pt")):
+            continue
+        size = os.path.getsize(path)
+        digest.update(f"{name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(sample_bytes))
+            if size > 2 * sample_bytes:
+                f.seek(size - sample_bytes)
+                digest.update(f.read(sample_bytes))
+    return "sha256:" + digest.hexdigest()[:32]
 
 
 class _Progress:
@@ -292,6 +316,10 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
     if max_length is not None:
         max_length = _checks.integer("max_length", max_length, 1)
     _checks.choice("logprob_dtype", logprob_dtype, tuple(fmt.LOGPROB_DTYPES))
+    # (what the writer checks again, checked here before a model is loaded)
+    _checks.temperature(temperature)
+    _checks.top_p(top_p, top_p_min_k)
+    _checks.integer("shard_bytes", shard_bytes, 1)
     if not (dtype == "auto" or dtype in MODEL_DTYPES or isinstance(dtype, torch.dtype)):
         raise ValueError(f"dtype must be 'auto', one of {tuple(MODEL_DTYPES)} or a torch.dtype, "
                          f"got {dtype!r}")

@@ -4,7 +4,7 @@ A store is a directory::
 
     manifest.json                          the store's settings (written once, atomically)
     shard-<writer>-<number>.safetensors    complete shards, any number of writers
-    .shard-<writer>-<number>.safetensors.tmp   a shard being written (never read)
+    .shard-<writer>-<number>.safetensors.tmp-<pid>   a shard being written (never read)
     .writer-<writer>.lock                  held (flock) by the live writer of that name
 
 A shard is one safetensors file (https://github.com/huggingface/safetensors): a JSON header, then
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 import re
 import zlib
@@ -43,6 +44,7 @@ SHARD_PATTERN = re.compile(r"^shard-(?P<writer>[A-Za-z0-9_.-]+)-(?P<number>\d{6,
 WRITER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 ROW_TENSORS = ("indices", "logprobs", "rest_logprob", "counts")
 SEQUENCE_TENSORS = ("seq_rows", "seq_entries", "token_hash", "crc")
+REQUIRED_TENSORS = ("indices", "logprobs", "rest_logprob") + SEQUENCE_TENSORS
 LOGPROB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
 TOKEN_HASH = "blake2b-128 of the token ids as int64 little-endian"
@@ -65,14 +67,17 @@ def shard_files(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if SHARD_PATTERN.match(n))
 
 
-def is_sample_id(value) -> bool:
-    """Sample ids are str or int (not bool, which would equal 0 and 1 in a dict)."""
-    return isinstance(value, (str, int)) and not isinstance(value, bool)
+def sample_key(value):
+    """A sample id as stored: a str, or any integer (numpy's included) as an int; None for
+    anything else (bool too, which would equal 0 and 1 in a dict)."""
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
+        return None
+    return value if isinstance(value, str) else int(value)
 
 
 def token_hash(input_ids) -> bytes:
     """BLAKE2b-128 of a sequence's token ids, as int64 little-endian bytes."""
-    ids = torch.as_tensor(input_ids)
+    ids = torch.as_tensor(input_ids).cpu()
     if ids.dim() == 1 and ids.numel() == 0:
         ids = ids.to(torch.int64)  # torch.as_tensor([]) is float32: an empty sequence is fine
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -160,11 +165,12 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def check_settings(manifest: dict, expected: dict, path: str, who: str) -> None:
-    """Raise if any setting in ``expected`` (None = not checked) differs from the manifest's,
-    naming both values."""
+def check_settings(manifest: dict, expected: dict, path: str, who: str, *,
+                   strict: bool = False) -> None:
+    """Raise if any setting in ``expected`` differs from the manifest's, naming both values;
+    a None in ``expected`` is not checked unless ``strict``."""
     for key in SETTINGS:
         want = expected.get(key)
-        if want is not None and manifest.get(key) != want:
+        if (want is not None or strict) and manifest.get(key) != want:
             raise ValueError(f"the teacher store {path} was written with {key}="
                              f"{manifest.get(key)!r} but {who} {key}={want!r}")

@@ -46,6 +46,9 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
             hashes = json.loads(metadata["sha256"])
         except (KeyError, json.JSONDecodeError):
             raise bad("header metadata (sha256) missing or unreadable") from None
+        missing = [name for name in fmt.REQUIRED_TENSORS if name not in handle.keys()]
+        if missing:
+            raise bad(f"tensors {missing} are missing")
         if set(hashes) != set(handle.keys()):
             raise bad(f"tensors {sorted(handle.keys())} differ from the hashed ones "
                       f"{sorted(hashes)}")

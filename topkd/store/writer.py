@@ -71,17 +71,25 @@ class TeacherStoreWriter:
                          "top_p_min_k": top_p_min_k, "temperature": temperature,
                          "logprob_dtype": logprob_dtype,
                          "tokenizer_fingerprint": tokenizer_fingerprint}
+        try:
+            import safetensors.torch  # noqa: F401  (needed at the first shard: fail now)
+        except ImportError:
+            raise ImportError("the teacher store needs safetensors: pip install "
+                              "'topkd[store]'") from None
         self.manifest = self._open_manifest(metadata_json)
         self._lock = self._take_lock()
-        self._remove_own_temporaries()
-        self._stored = set()
-        numbers = [-1]
-        for file in fmt.shard_files(self.path):
-            for sample_id in read_shard_ids(self.path, file):
-                self._stored.add(sample_id)
-            match = fmt.SHARD_PATTERN.match(file)
-            if match["writer"] == self.name:
-                numbers.append(int(match["number"]))
+        try:
+            self._remove_own_temporaries()
+            self._stored = set()
+            numbers = [-1]
+            for file in fmt.shard_files(self.path):
+                self._stored.update(read_shard_ids(self.path, file))
+                match = fmt.SHARD_PATTERN.match(file)
+                if match["writer"] == self.name:
+                    numbers.append(int(match["number"]))
+        except BaseException:
+            self._lock.close()  # a store this writer cannot resume: leave no lock behind
+            raise
         self._next_number = max(numbers) + 1
         self._logprob_dtype = fmt.LOGPROB_DTYPES[logprob_dtype]
         self._pending: list[tuple] = []
@@ -99,11 +107,7 @@ class TeacherStoreWriter:
         # others check theirs against it.
         fmt.write_durably(self.path, fmt.MANIFEST, data, exclusive=True)
         existing = fmt.read_manifest(self.path)
-        for key in fmt.SETTINGS:
-            if existing.get(key) != self.settings[key]:
-                raise ValueError(f"the teacher store {self.path} was written with {key}="
-                                 f"{existing.get(key)!r} but this writer has {key}="
-                                 f"{self.settings[key]!r}")
+        fmt.check_settings(existing, self.settings, self.path, "this writer has", strict=True)
         return existing
 
     def _take_lock(self):
@@ -126,7 +130,8 @@ class TeacherStoreWriter:
     # -- writing -----------------------------------------------------------------------------
 
     def __contains__(self, sample_id) -> bool:
-        return fmt.is_sample_id(sample_id) and sample_id in self._stored
+        key = fmt.sample_key(sample_id)
+        return key is not None and key in self._stored
 
     def __len__(self) -> int:
         """Sequences stored by every writer before this one opened, and added by this one."""
@@ -134,10 +139,15 @@ class TeacherStoreWriter:
 
     def add(self, sample_id, input_ids, teacher: SparseTeacher) -> None:
         """Store one sequence: its id (str or int), its token ids ``[L]`` and its teacher rows
-        (a :class:`~topkd.SparseTeacher` with leading shape ``[L]``, from the same tokens)."""
+        (a :class:`~topkd.SparseTeacher` with leading shape ``[L]``, from the same tokens).
+
+        The sequence is queued, and written with the next shard; if writing that shard fails,
+        it stays queued for the next :meth:`flush` or :meth:`close`."""
         self._check_open()
-        if not fmt.is_sample_id(sample_id):
+        key = fmt.sample_key(sample_id)
+        if key is None:
             raise TypeError(f"sample_id must be a str or an int, got {sample_id!r}")
+        sample_id = key
         if sample_id in self._stored:
             raise ValueError(f"sample_id {sample_id!r} is already in the store {self.path}")
         token_hash = fmt.token_hash(input_ids)
@@ -224,14 +234,13 @@ class TeacherStoreWriter:
         self._pending, self._pending_bytes = [], 0
 
     def close(self) -> None:
-        """Write what is pending and release the directory."""
+        """Write what is pending and release the directory. If the write fails, the writer
+        stays open (and the rows queued), so ``close`` can be called again."""
         if self.closed:
             return
-        try:
-            self.flush()
-        finally:
-            self.closed = True
-            self._lock.close()
+        self.flush()
+        self.closed = True
+        self._lock.close()
 
     def _check_open(self) -> None:
         if self.closed:
