@@ -160,7 +160,7 @@ class BlockedRows:
     def low_chunk(self, start: int, stop: int, columns: int) -> torch.Tensor:
         first, last, block = self._block
         if block is None or start < first or stop > last or block.shape[1] != columns:
-            self._block = None
+            self._block = block = None  # no reference to the old block while refilling
             if self._sink is not None:
                 self._sink.flush()  # the staged gradient lives in the storage we refill
             last = min(self.count, start + max(self.block_rows, stop - start))
