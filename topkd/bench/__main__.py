@@ -698,6 +698,22 @@ def build_parser():
     return p
 
 
+def child_or_load(args, child, show) -> bool:
+    """The two modes every benchmark section shares: ``child`` (one case in a fresh process:
+    its result as JSON to ``--child-out``) and ``--load`` (saved results printed by ``show``,
+    or as JSON with ``--json``). True when one of them ran."""
+    if child is not None:
+        with open(args.child_out, "w") as f:
+            json.dump(child(args), f)
+        return True
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        print(json.dumps(saved, indent=2) if args.json else show(saved))
+        return True
+    return False
+
+
 def main(argv=None) -> int:
     rest = sys.argv[1:] if argv is None else list(argv)
     if rest and rest[0] in ("fused", "--fused"):  # the fused LM-head section: bench/fused.py
@@ -710,19 +726,8 @@ def main(argv=None) -> int:
         return store.main(rest[1:])
     args = build_parser().parse_args(argv)
     args.rows = [r for group in args.rows for r in group]
-    if args.child:
-        result = run_child(args)
-        with open(args.child_out, "w") as f:
-            json.dump(result, f)
-        return 0
-
-    if args.load:
-        with open(args.load) as f:
-            saved = json.load(f)
-        if args.json:
-            print(json.dumps(saved, indent=2))
-        else:
-            print(format_table(saved["results"], saved["meta"]))
+    if child_or_load(args, run_child if args.child else None,
+                     lambda saved: format_table(saved["results"], saved["meta"])):
         return 0
 
     cases = [(impl, loss, rows) for loss in LOSSES if loss in args.loss

@@ -754,16 +754,8 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.child or args.child_verify:
-        result = run_verify(args) if args.child_verify else run_child(args)
-        with open(args.child_out, "w") as f:
-            json.dump(result, f)
-        return 0
-    if args.load:
-        with open(args.load) as f:
-            saved = json.load(f)
-        print(json.dumps(saved, indent=2) if args.json
-              else format_table(saved["results"], saved["meta"]))
+    child = run_verify if args.child_verify else run_child if args.child else None
+    if base.child_or_load(args, child, lambda saved: format_table(saved["results"], saved["meta"])):
         return 0
 
     cases = [(i, lo) for i, lo in CASES if i in args.impl and lo in args.loss]

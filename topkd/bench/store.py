@@ -878,15 +878,7 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.child:
-        result = _child_main(args)
-        with open(args.child_out, "w") as f:
-            json.dump(result, f)
-        return 0
-    if args.load:
-        with open(args.load) as f:
-            saved = json.load(f)
-        print(json.dumps(saved, indent=2) if args.json else format_table(saved))
+    if base.child_or_load(args, _child_main if args.child else None, format_table):
         return 0
     if args.seq_len < 1 or args.tokens < args.seq_len or min(args.runs, args.write_runs,
                                                              args.pool, args.batch) < 1:
