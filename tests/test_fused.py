@@ -629,12 +629,13 @@ BAD = {
         h, w, t, K, bias=b[:-1])),
     "bias_2d": (ValueError, "bias", lambda h, w, b, t: topkd.fused_kl_loss(
         h, w, t, bias=b[None])),
-    "hidden_weight_dtypes": (TypeError, "weight", lambda h, w, b, t: topkd.fused_topk_kl_loss(
-        h.bfloat16(), w, t, K)),
+    # bf16 with fp32 is autocast's mix and runs in bf16; bf16 with fp16 has no product dtype
+    "hidden_weight_dtypes": (TypeError, "weight.to", lambda h, w, b, t: topkd.fused_topk_kl_loss(
+        h.bfloat16(), w.half(), t, K)),
     "bias_dtype": (TypeError, "bias", lambda h, w, b, t: topkd.fused_kl_loss(
-        h, w, t, bias=b.bfloat16())),
+        h.bfloat16(), w, t, bias=b.half())),
     "teacher_pair_dtypes": (TypeError, "teacher", lambda h, w, b, t: topkd.fused_kl_loss(
-        h, w, (h, w.bfloat16()))),
+        h, w, (h.bfloat16(), w.half()))),
     "hidden_not_tensor": (TypeError, "hidden", lambda h, w, b, t: topkd.fused_kl_loss(
         h.tolist(), w, t)),
     "hidden_int": (TypeError, "hidden", lambda h, w, b, t: topkd.fused_topk_kl_loss(

@@ -1,13 +1,24 @@
 """topkd: exact, memory-lean knowledge-distillation losses for huge vocabularies."""
 
+from .divergences import JSD, KL, TVD, Divergence, ReverseKL, SkewKL, SkewReverseKL
+from .engine import LossParts
 from .fused import FusedLogitsKLLoss, FusedTopKLogitsKLLoss, fused_kl_loss, fused_topk_kl_loss
 from .losses import LogitsKLLoss, TopKLogitsKLLoss, kl_loss, sparse_kl_loss, topk_kl_loss
-from .select import SparseTeacher, select_topk
+from .select import select_topk
+from .teacher import SparseTeacher
 
 __all__ = [
+    "JSD",
+    "KL",
+    "TVD",
+    "Divergence",
     "FusedLogitsKLLoss",
     "FusedTopKLogitsKLLoss",
     "LogitsKLLoss",
+    "LossParts",
+    "ReverseKL",
+    "SkewKL",
+    "SkewReverseKL",
     "SparseTeacher",
     "TopKLogitsKLLoss",
     "fused_kl_loss",

@@ -131,3 +131,79 @@ def vocab_size(value, *widths: tuple[str, int]) -> int:
 
 def chunk_bytes(value) -> int | None:
     return None if value is None else integer("chunk_bytes", value, 1)
+
+
+def weight(name: str, value) -> float:
+    """A loss weight: a finite real number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return value
+
+
+def scale(name: str, value) -> float:
+    """A logit scale: a finite real number != 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value == 0:
+        raise ValueError(f"{name} must be finite and nonzero, got {value}")
+    return value
+
+
+def softcap(name: str, value) -> float | None:
+    """A logit softcap: None or a finite real number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be None or a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value}")
+    return value
+
+
+def labels(value, lead_shape, device):
+    """``labels``: None, or an integer tensor of the logits' leading shape; returned as int64
+    ``[n]`` on ``device``."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"labels must be an integer torch.Tensor or None, got "
+                        f"{type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"labels must have an integer dtype (int64), got {value.dtype}")
+    if tuple(value.shape) != tuple(lead_shape):
+        raise ValueError(f"labels must have the logits' leading shape {tuple(lead_shape)}, "
+                         f"got {tuple(value.shape)}")
+    return value.reshape(-1).to(device=device, dtype=torch.int64)
+
+
+def label_range(labels: torch.Tensor, ignore_index: int, vocab: int) -> None:
+    """Every label is in ``[0, vocab)`` or ``ignore_index``."""
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+    if bool(bad.any()):
+        seen = labels[bad][:5].tolist()
+        raise ValueError(f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; "
+                         f"got {seen}{' ...' if int(bad.sum()) > 5 else ''}")
+
+
+def teacher_vocab(vocab: int, teacher, student_desc: str) -> None:
+    if vocab != teacher.vocab_size:
+        raise ValueError(f"the teacher was normalized over vocab_size={teacher.vocab_size} but "
+                         f"the student's vocabulary is {vocab} ({student_desc})")
+
+
+def aligned(shards, vocab: int) -> int:
+    """This rank's real columns, after checking student and teacher are sharded alike."""
+    student, teacher = shards["student"], shards["teacher"]
+    valid = student.valid(vocab)
+    if (student.offset, valid) != (teacher.offset, teacher.valid(vocab)):
+        raise ValueError(
+            "the student and teacher logits must be sharded alike over the vocabulary: this "
+            f"rank holds student columns from {student.offset} ({student.width} wide) and "
+            f"teacher columns from {teacher.offset} ({teacher.width} wide)"
+        )
+    return valid

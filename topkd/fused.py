@@ -1,28 +1,32 @@
 """KD losses with the student's LM head fused in: the student's logits never exist whole.
 
-``F.linear(hidden, weight, bias)`` is computed one chunk of rows at a time, inside the same loops
-that the logits losses run, and its gradient goes straight into the hidden states', weight's
-and bias's gradients. The teacher can be logits, a :class:`SparseTeacher`, or its own
-``(hidden, weight[, bias])``, whose logits are likewise made chunk by chunk under no grad.
+``F.linear(hidden, weight, bias)`` is computed one block of rows at a time, inside the same
+chunk engine that the logits losses run, and its gradient goes straight into the hidden
+states', weight's and bias's gradients. The teacher can be logits, a :class:`SparseTeacher`,
+or its own ``(hidden, weight[, bias])``, whose logits are likewise made block by block under no
+grad. Logit scale and softcap (Gemma, Cohere) apply to the products, as in the model.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 
-from . import _checks, dense, parallel, student
-from ._rows import BlockedRows, LinearRows, Rows, budget_bytes, chunk_rows
+from . import _checks, parallel
+from .engine import Call, Config, DensePath, SparsePath
 from .losses import (
-    _KL_OPTIONS,
-    _check_options,
-    _common_checks,
-    dense_from_rows,
-    sparse_from_rows,
+    KL_OPTIONS,
+    TOPK_OPTIONS,
+    check_label_range,
+    check_options,
+    common_checks,
+    objective,
+    run,
+    sparse_tensors,
 )
-from .select import SparseTeacher, select_rows
+from .select import select_rows
+from .sources import BlockedRows, LinearRows, Rows, budget_bytes, chunk_rows, product_dtype
+from .teacher import SparseTeacher
 
 
 class _AllReduceGradient(torch.autograd.Function):
@@ -39,29 +43,6 @@ class _AllReduceGradient(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
-
-
-class _PrecomputedLoss(torch.autograd.Function):
-    """A scalar loss whose gradients ``run`` accumulated while computing it; backward only
-    scales them by the upstream gradient. One pass over the vocabulary instead of two (and
-    one matrix product fewer) when the reduction is ``"sum"`` or ``"mean"``."""
-
-    @staticmethod
-    def forward(ctx, run, *tensors):
-        loss, ctx.sink = run(ctx.needs_input_grad[1:], *tensors)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (None, *ctx.sink.result(None if bool(grad == 1) else grad))
-
-
-def _row_weights(mask, reduction: str, rows: int, device) -> torch.Tensor:
-    """The upstream gradient of each row's loss under a scalar reduction."""
-    weight = torch.ones(rows, device=device) if mask is None else mask.reshape(rows).float()
-    if reduction == "mean":
-        weight = weight / max(int(weight.sum()), 1)
-    return weight
 
 
 def _one_pass(tensors, reduction) -> bool:
@@ -82,39 +63,32 @@ _FUSED_FRACTION = 5
 _TEACHER_BLOCK_DIVISOR = 4
 
 
-def _budget(chunk_bytes, shard, rows, weight, process_group, teacher_blocks):
+def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks):
     """``(work chunk rows, student block rows, teacher block rows)``, the teacher's only with
-    ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the one-pass
-    loops combine statistics per chunk, so every rank must cut the same chunks. One-pass losses
+    ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the engine
+    combines statistics per chunk, so every rank must cut the same chunks. One-pass losses
     stage the student's gradient in its own blocks; the two-pass ones hold a stage of that many
     rows but no student block."""
-    width = -(-shard.total // parallel.world_size(process_group)) + 1
-    element = weight.element_size()
+    width = shard.widest + 1
     total = chunk_bytes
     if total is None:
         total = max(1, min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION))
     row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
-    per = chunk_rows(total // 5, width, rows, element, buffers=3)
+    per = chunk_rows(total // 5, width, rows, element, buffers=buffers)
     # Whole chunks per block: a block starts at a chunk, so a remainder would be made again.
     block = max(per, int(total * 4 // 5 // row_bytes) // per * per)
     teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
     return per, block, teacher_block
 
 
-def _teacher_slice(teacher: SparseTeacher, rows: int, start: int, stop: int) -> SparseTeacher:
-    k = teacher.k
-    return SparseTeacher(teacher.indices.reshape(rows, k)[start:stop],
-                         teacher.logprobs.reshape(rows, k)[start:stop],
-                         teacher.rest_logprob.reshape(rows)[start:stop],
-                         teacher.temperature, teacher.vocab_size)
-
-
 def _check_linear(prefix: str, hidden, weight, bias) -> None:
-    """``hidden [..., H]``, ``weight [V_r, H]``, ``bias [V_r]`` or None, one float dtype."""
+    """``hidden [..., H]``, ``weight [V_r, H]``, ``bias [V_r]`` or None; float dtypes that
+    :func:`~topkd.sources.product_dtype` can combine."""
     _checks.logits(f"{prefix}hidden", hidden)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"{prefix}weight must be a 2-D tensor [V_r, H], got "
                          f"{getattr(weight, 'shape', type(weight).__name__)}")
+    _checks.logits(f"{prefix}weight", weight)
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"{prefix}hidden width {hidden.shape[-1]} differs from {prefix}weight "
                          f"width {weight.shape[1]} (weight is [V_r, H] = {tuple(weight.shape)})")
@@ -122,24 +96,28 @@ def _check_linear(prefix: str, hidden, weight, bias) -> None:
                              or tuple(bias.shape) != (weight.shape[0],)):
         raise ValueError(f"{prefix}bias must be a tensor of shape ({weight.shape[0]},), got "
                          f"{getattr(bias, 'shape', type(bias).__name__)}")
-    dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
-    if len(dtypes) > 1:
-        raise TypeError(f"{prefix}hidden, {prefix}weight and {prefix}bias must share one dtype, "
-                        f"got {sorted(str(d) for d in dtypes)}")
+    if bias is not None:
+        _checks.logits(f"{prefix}bias", bias)
+    try:
+        product_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+    except TypeError as e:
+        raise TypeError(f"{prefix}hidden, {prefix}weight and {prefix}bias: {e}") from None
 
 
 def _teacher_source(teacher, lead_shape):
-    """``(kind, tensors, width)`` of a teacher given as logits or ``(hidden, weight[, bias])``."""
+    """``(tensors by name, width)`` of a teacher given as logits or ``(hidden, weight[,
+    bias])``."""
     if isinstance(teacher, torch.Tensor):
         _checks.logits("teacher logits", teacher)
         _checks.same_leading("hidden", lead_shape, "teacher logits", teacher.shape[:-1])
-        return Rows, (teacher.detach(),), teacher.shape[-1]
+        return {"teacher": teacher.detach()}, teacher.shape[-1]
     if isinstance(teacher, tuple) and len(teacher) in (2, 3):
         hidden, weight, bias = (*teacher, None)[:3]
         _check_linear("teacher ", hidden, weight, bias)
         _checks.same_leading("hidden", lead_shape, "teacher hidden", hidden.shape[:-1])
-        tensors = tuple(None if t is None else t.detach() for t in (hidden, weight, bias))
-        return LinearRows, tensors, weight.shape[0]
+        names = ("teacher_hidden", "teacher_weight", "teacher_bias")
+        tensors = (None if t is None else t.detach() for t in (hidden, weight, bias))
+        return dict(zip(names, tensors, strict=True)), weight.shape[0]
     raise TypeError(
         "teacher must be teacher logits [..., V_r], a topkd.SparseTeacher (fused_topk_kl_loss "
         f"only) or a tuple (teacher_hidden, teacher_weight[, teacher_bias]), got "
@@ -148,11 +126,29 @@ def _teacher_source(teacher, lead_shape):
     )
 
 
-def _student(hidden, weight, bias, process_group, reduce_hidden_grad):
+def _student(hidden, weight, bias, process_group, reduce_hidden_grad) -> dict:
     _check_linear("", hidden, weight, bias)
     if reduce_hidden_grad and process_group is not None:
         hidden = _AllReduceGradient.apply(hidden, process_group)
-    return (hidden, weight, bias)
+    return {"hidden": hidden, "weight": weight, "bias": bias}
+
+
+def _transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap) -> dict:
+    return {"logit_scale": _checks.scale("logit_scale", logit_scale),
+            "softcap": _checks.softcap("softcap", softcap),
+            "teacher_logit_scale": _checks.scale("teacher_logit_scale", teacher_logit_scale),
+            "teacher_softcap": _checks.softcap("teacher_softcap", teacher_softcap)}
+
+
+def _config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels, sparse,
+            teacher_blocks) -> Config:
+    cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
+    buffers = (SparsePath if sparse else DensePath).buffers(cfg, labels)
+    element = product_dtype(hidden.dtype, weight.dtype).itemsize
+    per, block, teacher_block = _budget(chunk_bytes, shard, n, element, buffers,
+                                        teacher_blocks)
+    return Config(**{**cfg.__dict__, "rows_per_chunk": per, "block_rows": block,
+                     "teacher_block_rows": teacher_block})
 
 
 def fused_topk_kl_loss(
@@ -164,36 +160,55 @@ def fused_topk_kl_loss(
     bias: torch.Tensor | None = None,
     top_p: float | None = None,
     top_p_min_k: int = 1,
-    temperature: float = 1.0,
+    temperature: float | None = None,
+    divergence="kl",
     reverse: bool = False,
     normalize: str = "full",
     vocab_size: int | None = None,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
     mask: torch.Tensor | None = None,
     reduction: str = "none",
     process_group=None,
     chunk_bytes: int | None = None,
     reduce_hidden_grad: bool = False,
-) -> torch.Tensor:
-    """:func:`topkd.topk_kl_loss` of ``F.linear(hidden, weight, bias)``, never holding those
-    logits.
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    return_components: bool = False,
+):
+    """:func:`topkd.topk_kl_loss` of the logits ``softcap * tanh(logit_scale * F.linear(
+    hidden, weight, bias) / softcap)`` (no softcap: ``logit_scale * F.linear(...)``), never
+    holding those logits.
 
     Args:
         hidden: the student's final hidden states ``[..., H]`` (float32/bfloat16/float16).
-        weight: the student's LM head ``[V_r, H]`` (this rank's vocabulary rows), same dtype.
+        weight: the student's LM head ``[V_r, H]`` (this rank's vocabulary rows). Under
+            autocast ``hidden`` may be bfloat16/float16 and ``weight`` a float32 parameter:
+            the products then run in the 16-bit dtype (the weight converted once per call, as
+            autocast does) and the weight's gradient is returned in float32.
         teacher: teacher logits ``[..., V_r]`` (``k`` required); a :class:`SparseTeacher`
-            (online or from a store: ``k``, ``top_p`` and the temperature are its own, so
-            ``temperature`` must equal its temperature); or ``(teacher_hidden, teacher_weight
-            [, teacher_bias])``, whose logits are computed chunk by chunk under no grad.
+            (online or from a store: ``k``, ``top_p`` and the temperature are its own); or
+            ``(teacher_hidden, teacher_weight[, teacher_bias])``, whose logits (with
+            ``teacher_logit_scale`` and ``teacher_softcap``) are made block by block under no
+            grad.
         k: entries kept per row (see :func:`topkd.select_topk`).
         bias: optional ``[V_r]``.
+        logit_scale, softcap: the student's logit transform, applied before the temperature
+            (Cohere's ``logit_scale``, Gemma's ``final_logit_softcapping``); the CE term sees
+            the transformed logits too.
         reduce_hidden_grad: with ``process_group``, the hidden states' gradient on each rank is
             by default this rank's partial sum over its vocabulary shard, which the caller's
             tensor-parallel region all-reduces (Megatron's ``ColumnParallelLinear``
-            convention: hidden went through ``copy_to_tensor_model_parallel_region``). With
-            ``True`` it is all-reduced here (once per call, in backward), so every rank gets
-            the full gradient.
-        top_p, top_p_min_k, temperature, reverse, normalize, vocab_size, mask, reduction,
-        process_group, chunk_bytes: as in :func:`topkd.topk_kl_loss`.
+            convention). With ``True`` it is all-reduced here (once per call, in backward).
+        temperature: ``None``: the SparseTeacher's own, or 1.0; when given with a
+            SparseTeacher it must equal its temperature.
+        top_p, top_p_min_k, divergence, reverse, normalize, vocab_size, labels, ignore_index,
+        kd_weight, ce_weight, mask, reduction, process_group, chunk_bytes, return_components:
+            as in :func:`topkd.topk_kl_loss`.
 
     Returns:
         The float32 loss, equal to the unfused loss on the same logits to float32 rounding.
@@ -201,13 +216,17 @@ def fused_topk_kl_loss(
         hidden rows are written once, the weight's and bias's gradients are accumulated in a
         float32 buffer of their shape and returned in their dtype. No ``T**2`` factor.
     """
-    _common_checks(hidden, mask, reduction, chunk_bytes, name="hidden")
+    common_checks(hidden, mask, reduction, chunk_bytes, name="hidden")
     _checks.choice("normalize", normalize, _checks.NORMALIZE)
-    temperature = _checks.temperature(temperature)
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
-    lead_shape = hidden.shape[:-1]
-    tensors = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
-    rows = lead_shape.numel()
+    lead = hidden.shape[:-1]
+    student = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
+    transforms = _transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap)
+    fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
+                               lead, hidden.device)
+    fields.update(transforms, normalize=normalize)
+    n = lead.numel()
+    one_pass = _one_pass(student.values(), reduction)
     if isinstance(teacher, SparseTeacher):
         if k is not None and k != teacher.k:
             raise ValueError(f"k={k} differs from the SparseTeacher's K={teacher.k}")
@@ -215,60 +234,57 @@ def fused_topk_kl_loss(
             raise ValueError("top_p applies when selecting; this SparseTeacher is already "
                              "selected (pass top_p to select_topk)")
         _checks.teacher_temperature(temperature, teacher)
-        _checks.same_leading("hidden", lead_shape, "teacher", teacher.indices.shape[:-1])
-        mask = _checks.teacher_mask(mask, teacher, lead_shape)
-        shards = parallel.exchange_shards(process_group, {"student": weight.shape[0]}, rows)
+        _checks.same_leading("hidden", lead, "teacher", teacher.indices.shape[:-1])
+        mask = _checks.teacher_mask(mask, teacher, lead)
+        shards = parallel.exchange_shards(process_group, {"student": weight.shape[0]}, n,
+                                          hidden.device)
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total))
-        if vocab != teacher.vocab_size:
-            raise ValueError(f"the teacher was normalized over vocab_size={teacher.vocab_size} "
-                             f"but the student's vocabulary is {vocab}")
-
-        teacher_source = None
-
-        def teacher_rows(start, stop, source=None):
-            return _teacher_slice(teacher, rows, start, stop)
+        _checks.teacher_vocab(vocab, teacher, f"weight rows {shards['student'].total}")
+        fields["temperature"] = teacher.temperature
     else:
-        kind, teacher_tensors, width = _teacher_source(teacher, lead_shape)
+        named, width = _teacher_source(teacher, lead)
         if k is None:
             raise ValueError("k is required when the teacher is given as logits or as "
                              "(hidden, weight[, bias])")
+        fields["temperature"] = _checks.temperature(1.0 if temperature is None else temperature)
         widths = {"student": weight.shape[0], "teacher": width}
-        shards = parallel.exchange_shards(process_group, widths, rows)
+        shards = parallel.exchange_shards(process_group, widths, n, hidden.device)
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                    ("teacher width", shards["teacher"].total))
         k = _checks.integer("k", k, 1, vocab)
-        teacher_source = kind(*teacher_tensors)
+    check_label_range(labels, fields["ignore_index"], vocab)
+    cfg = _config(fields, shards["student"], vocab, process_group, chunk_bytes, n, hidden,
+                  weight, labels, True, isinstance(teacher, tuple))
+    teacher_rows = None
+    if isinstance(teacher, SparseTeacher):
+        teacher_tensors = sparse_tensors(teacher, n)
+    else:
+        teacher_source = Rows(named["teacher"]) if "teacher" in named else LinearRows(
+            named["teacher_hidden"], named["teacher_weight"], named["teacher_bias"])
         # One budget for the whole call (the chunks' own row counts would shrink it).
-        teacher_bytes = budget_bytes(chunk_bytes, rows, shards["teacher"].width,
+        teacher_bytes = budget_bytes(chunk_bytes, n, shards["teacher"].width,
                                      teacher_source.element_size)
 
-        def teacher_rows(start, stop, source=teacher_source):
-            return select_rows(source.rows(start, stop), k, top_p, top_p_min_k,
-                               temperature, vocab, shards["teacher"], process_group,
-                               teacher_bytes, scale=1)
+        def select(source):
+            return select_rows(source, k, top_p, top_p_min_k, cfg.temperature, vocab,
+                               shards["teacher"], process_group, teacher_bytes,
+                               budget_factor=1, logit_scale=cfg.teacher_logit_scale,
+                               softcap=cfg.teacher_softcap)
 
-    shard = shards["student"]
-    per, block, teacher_block = _budget(chunk_bytes, shard, rows, weight, process_group,
-                                        isinstance(teacher_source, LinearRows))
-    if _one_pass(tensors, reduction):
-        if isinstance(teacher_source, LinearRows):
-            teacher_source = BlockedRows(teacher_source, teacher_block)
+        if one_pass:  # the [rows, K] targets exist one chunk at a time
+            teacher_tensors = dict.fromkeys(("indices", "logprobs", "rest"))
+            if isinstance(teacher_source, LinearRows):
+                teacher_source = BlockedRows(teacher_source, cfg.teacher_block_rows)
 
-        def run(needs, *tensors):
-            source = BlockedRows(LinearRows(*tensors), block)
-            sink = source.gradient(needs)  # staged in the blocks' own storage
-            loss = student.scalar_loss_and_gradients(
-                source, partial(teacher_rows, source=teacher_source),
-                _row_weights(mask, reduction, rows, weight.device), shard, shard.valid(vocab),
-                process_group, per, sink, reverse=reverse, normalize=normalize)
-            return loss, sink
-
-        return _PrecomputedLoss.apply(run, *tensors)
-    student_kind = partial(LinearRows, stage_rows=block)
-    return sparse_from_rows(student_kind, tensors, lead_shape, teacher_rows(0, rows), shard,
-                            vocab, reverse=reverse, normalize=normalize, mask=mask,
-                            reduction=reduction, process_group=process_group,
-                            chunk_bytes=chunk_bytes)
+            def teacher_rows(start, stop):
+                return select(teacher_source.rows(start, stop))
+        else:
+            teacher_tensors = sparse_tensors(select(teacher_source), n)
+    call = Call(cfg, sparse=True, student=("hidden", "weight", "bias"),
+                teacher=("indices", "logprobs", "rest"), count=n)
+    return run(call, {**student, **teacher_tensors}, mask=mask, reduction=reduction,
+               lead_shape=lead, labels=labels, teacher_rows=teacher_rows, one_pass=one_pass,
+               return_components=return_components)
 
 
 def fused_kl_loss(
@@ -277,85 +293,91 @@ def fused_kl_loss(
     teacher,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | None = None,
+    divergence="kl",
     reverse: bool = False,
     vocab_size: int | None = None,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
     mask: torch.Tensor | None = None,
     reduction: str = "none",
     process_group=None,
     chunk_bytes: int | None = None,
     reduce_hidden_grad: bool = False,
-) -> torch.Tensor:
-    """:func:`topkd.kl_loss` of ``F.linear(hidden, weight, bias)``, never holding those logits.
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    return_components: bool = False,
+):
+    """:func:`topkd.kl_loss` (any divergence over the whole vocabulary) of the logits of
+    ``F.linear(hidden, weight, bias)``, never holding those logits.
 
     ``teacher`` is teacher logits ``[..., V_r]`` or ``(teacher_hidden, teacher_weight
-    [, teacher_bias])`` (sharded like ``weight`` under tensor parallelism). Everything else as
-    in :func:`fused_topk_kl_loss` and :func:`topkd.kl_loss`. No ``T**2`` factor.
+    [, teacher_bias])`` (sharded like ``weight`` under tensor parallelism). ``temperature``
+    ``None`` = 1.0. Everything else as in :func:`fused_topk_kl_loss` and :func:`topkd.kl_loss`.
+    No ``T**2`` factor.
     """
-    _common_checks(hidden, mask, reduction, chunk_bytes, name="hidden")
-    temperature = _checks.temperature(temperature)
-    lead_shape = hidden.shape[:-1]
-    tensors = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
+    common_checks(hidden, mask, reduction, chunk_bytes, name="hidden")
+    lead = hidden.shape[:-1]
+    student = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
+    fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
+                               lead, hidden.device)
+    fields.update(_transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap))
+    fields["temperature"] = _checks.temperature(1.0 if temperature is None else temperature)
     if isinstance(teacher, SparseTeacher):
         raise TypeError("fused_kl_loss needs the whole teacher distribution: teacher logits "
                         "or (hidden, weight[, bias]); use fused_topk_kl_loss for a "
                         "SparseTeacher")
-    kind, teacher_tensors, width = _teacher_source(teacher, lead_shape)
+    named, width = _teacher_source(teacher, lead)
+    n = lead.numel()
     widths = {"student": weight.shape[0], "teacher": width}
-    shards = parallel.exchange_shards(process_group, widths, lead_shape.numel())
+    shards = parallel.exchange_shards(process_group, widths, n, hidden.device)
     vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                ("teacher width", shards["teacher"].total))
-    rows = lead_shape.numel()
-    per, block, teacher_block = _budget(chunk_bytes, shards["student"], rows, weight,
-                                        process_group, kind is LinearRows)
-    if _one_pass(tensors, reduction):
-        shard = shards["student"]
-        dense.check_aligned(shards, vocab)
+    _checks.aligned(shards, vocab)
+    check_label_range(labels, fields["ignore_index"], vocab)
+    cfg = _config(fields, shards["student"], vocab, process_group, chunk_bytes, n, hidden,
+                  weight, labels, False, "teacher" not in named)
+    call = Call(cfg, sparse=False, student=("hidden", "weight", "bias"), teacher=tuple(named),
+                count=n)
+    return run(call, {**student, **named}, mask=mask, reduction=reduction, lead_shape=lead,
+               labels=labels, one_pass=_one_pass(student.values(), reduction),
+               return_components=return_components)
 
-        def run(needs, *tensors):
-            source = BlockedRows(LinearRows(*tensors), block)
-            sink = source.gradient(needs)  # staged in the blocks' own storage
-            loss = dense.scalar_loss_and_gradients(
-                # (teacher logits are read chunk by chunk as they are: no blocks to make)
-                source, kind(*teacher_tensors) if kind is Rows else
-                BlockedRows(kind(*teacher_tensors), teacher_block),
-                _row_weights(mask, reduction, rows, weight.device), temperature, bool(reverse),
-                shard.valid(vocab), process_group, per, sink)
-            return loss, sink
 
-        return _PrecomputedLoss.apply(run, *tensors)
-    return dense_from_rows(partial(LinearRows, stage_rows=block), tensors, kind,
-                           teacher_tensors, lead_shape, shards, vocab, temperature=temperature,
-                           reverse=reverse, mask=mask, reduction=reduction,
-                           process_group=process_group, chunk_bytes=chunk_bytes)
+_FUSED_OPTIONS = {"reduce_hidden_grad", "logit_scale", "softcap", "teacher_logit_scale",
+                  "teacher_softcap"}
 
 
 class FusedTopKLogitsKLLoss(torch.nn.Module):
     """Module form of :func:`fused_topk_kl_loss`: holds ``k`` and the options; called as
-    ``loss_fn(hidden, weight, teacher, bias=None, mask=None)``."""
+    ``loss_fn(hidden, weight, teacher, bias=None, mask=None, labels=None)``."""
 
     def __init__(self, k: int | None = None, **options):
         super().__init__()
         if k is not None:
             _checks.integer("k", k, 1)
-        _check_options(options, _KL_OPTIONS | {"top_p", "top_p_min_k", "normalize",
-                                               "reduce_hidden_grad"})
+        check_options(options, TOPK_OPTIONS | _FUSED_OPTIONS)
         self.k = k
         self.options = options
 
-    def forward(self, hidden, weight, teacher, bias=None, mask=None) -> torch.Tensor:
+    def forward(self, hidden, weight, teacher, bias=None, mask=None, labels=None):
         return fused_topk_kl_loss(hidden, weight, teacher, self.k, bias=bias, mask=mask,
-                                  **self.options)
+                                  labels=labels, **self.options)
 
 
 class FusedLogitsKLLoss(torch.nn.Module):
     """Module form of :func:`fused_kl_loss`: holds the options; called as
-    ``loss_fn(hidden, weight, teacher, bias=None, mask=None)``."""
+    ``loss_fn(hidden, weight, teacher, bias=None, mask=None, labels=None)``."""
 
     def __init__(self, **options):
         super().__init__()
-        _check_options(options, _KL_OPTIONS | {"reduce_hidden_grad"})
+        check_options(options, KL_OPTIONS | _FUSED_OPTIONS)
         self.options = options
 
-    def forward(self, hidden, weight, teacher, bias=None, mask=None) -> torch.Tensor:
-        return fused_kl_loss(hidden, weight, teacher, bias=bias, mask=mask, **self.options)
+    def forward(self, hidden, weight, teacher, bias=None, mask=None, labels=None):
+        return fused_kl_loss(hidden, weight, teacher, bias=bias, mask=mask, labels=labels,
+                             **self.options)

@@ -19,20 +19,22 @@ def world_size(group) -> int:
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's vocabulary columns ``[offset, offset + width)`` of ``total`` columns."""
+    """This rank's vocabulary columns ``[offset, offset + width)`` of ``total`` columns;
+    ``widest`` is the largest shard of the group (every rank cuts its chunks by it)."""
 
     offset: int
     width: int
     total: int
+    widest: int
 
     def valid(self, vocab_size: int) -> int:
         """How many of this shard's leading columns lie below ``vocab_size`` (the rest pad)."""
         return max(0, min(self.width, vocab_size - self.offset))
 
 
-def exchange_shards(group, widths: dict[str, int], rows: int) -> dict[str, Shard]:
+def exchange_shards(group, widths: dict[str, int], rows: int, device) -> dict[str, Shard]:
     """Each named tensor's shard on this rank, from every rank's widths (one small all-gather
-    of a few integers).
+    of a few integers, on the inputs' ``device``).
 
     Every rank validates the same gathered numbers, so a bad input raises the same error on
     all ranks instead of leaving some of them waiting in a collective.
@@ -41,7 +43,7 @@ def exchange_shards(group, widths: dict[str, int], rows: int) -> dict[str, Shard
     if group is None:
         shapes = [local]
     else:
-        mine = torch.tensor(local, dtype=torch.int64, device=_device(group))
+        mine = torch.tensor(local, dtype=torch.int64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, mine, group=group)
         shapes = [t.tolist() for t in everyone]
@@ -53,7 +55,7 @@ def exchange_shards(group, widths: dict[str, int], rows: int) -> dict[str, Shard
     for i, name in enumerate(widths):
         all_widths = [s[i] for s in shapes]
         shards[name] = Shard(offset=sum(all_widths[:rank]), width=all_widths[rank],
-                             total=sum(all_widths))
+                             total=sum(all_widths), widest=max(all_widths))
     return shards
 
 
@@ -76,10 +78,3 @@ def all_gather_cat(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
-
-
-def _device(group) -> torch.device:
-    # NCCL only moves CUDA tensors; gloo moves CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -10,52 +10,16 @@ O(rows x K) communication and one pass over the logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from . import _checks, parallel
-from ._rows import Rows, budget_bytes, chunk_rows, row_chunks, widen
+from .kernels import read
+from .sources import Rows, budget_bytes, chunk_rows, row_chunks
+from .teacher import SparseTeacher
 
 # Indices must stay below this for the packed sort key; it also marks a padding candidate (a rank
 # whose shard is narrower than K), which the tie rule then ranks after every real entry.
 _NO_INDEX = 2**31 - 1
-
-
-@dataclass
-class SparseTeacher:
-    """A teacher distribution kept as its top-K entries plus one exact ghost bucket.
-
-    Attributes:
-        indices: int64 ``[..., K]``, global vocabulary indices ordered by teacher probability
-            (descending, ties by lower index); ``-1`` marks an unused slot (dropped by top-p).
-        logprobs: float32 ``[..., K]``, ``log q`` of each entry, normalized over the whole
-            vocabulary at ``temperature``; ``-inf`` in unused slots.
-        rest_logprob: float32 ``[...]``, ``log q_g``: the log of the total probability of every
-            entry not kept, computed as a log-sum-exp over them (exact even when the kept entries
-            hold all but 1e-13 of the mass), ``-inf`` when nothing is left out.
-        temperature: the temperature the teacher was normalized at; the student is scaled by it.
-        vocab_size: the vocabulary the teacher was normalized over (padding excluded).
-        mask: optional bool ``[...]``, False on rows that are padding (a batch collated from a
-            store); the losses drop those rows as they drop rows of their own ``mask``.
-    """
-
-    indices: torch.Tensor
-    logprobs: torch.Tensor
-    rest_logprob: torch.Tensor
-    temperature: float
-    vocab_size: int
-    mask: torch.Tensor | None = None
-
-    @property
-    def k(self) -> int:
-        return self.indices.shape[-1]
-
-    def to(self, device) -> SparseTeacher:
-        return SparseTeacher(
-            self.indices.to(device), self.logprobs.to(device), self.rest_logprob.to(device),
-            self.temperature, self.vocab_size, None if self.mask is None else self.mask.to(device),
-        )
 
 
 def canonical_order(values: torch.Tensor, indices: torch.Tensor):
@@ -136,7 +100,8 @@ def _topk_ties_fixed(b: torch.Tensor, k: int):
     return canonical_order(values, indices)
 
 
-def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes, scale: int):
+def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes,
+                      budget_factor: int, logit_scale: float, softcap: float | None):
     """Per row of this shard's first ``valid`` columns: the top-k in canonical order (values,
     local indices; at most ``valid`` of them) and the rest's log-sum-exp as (max, log-sum)."""
     n, device = rows.count, rows.device
@@ -147,12 +112,11 @@ def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes,
     rest_logsum = torch.full_like(rest_max, float("-inf"))
     if valid == 0:
         return values, indices, rest_max, rest_logsum
-    per = chunk_rows(scale * budget_bytes(chunk_bytes, n, valid, rows.element_size),
+    per = chunk_rows(budget_factor * budget_bytes(chunk_bytes, n, valid, rows.element_size),
                      valid, n, 4)
     for start, stop in row_chunks(n, per):
-        b = widen(rows.low_chunk(start, stop, valid))  # the chunk's one large buffer
-        if temperature != 1.0:
-            b.div_(temperature)
+        # the chunk's one large buffer
+        b, _ = read(rows.low_chunk(start, stop, valid), temperature, logit_scale, softcap)
         if k_local < valid:
             # One entry more than kept: the (k+1)-th largest is the maximum of the rest.
             v, i = topk_lowest_index(b, k_local + 1)
@@ -209,7 +173,8 @@ def select_topk(
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
     chunk_bytes = _checks.chunk_bytes(chunk_bytes)
     shard = parallel.exchange_shards(process_group, {"teacher": teacher_logits.shape[-1]},
-                                     teacher_logits.shape[:-1].numel())["teacher"]
+                                     teacher_logits.shape[:-1].numel(),
+                                     teacher_logits.device)["teacher"]
     vocab = _checks.vocab_size(vocab_size, ("teacher_logits", shard.total))
     k = _checks.integer("k", k, 1, vocab)
     return select_rows(Rows(teacher_logits), k, top_p, top_p_min_k, temperature, vocab, shard,
@@ -218,17 +183,19 @@ def select_topk(
 
 @torch.no_grad()
 def select_rows(rows, k, top_p, top_p_min_k, temperature, vocab, shard, process_group,
-                chunk_bytes, scale: int = 4) -> SparseTeacher:
+                chunk_bytes, budget_factor: int = 4, logit_scale: float = 1.0,
+                softcap: float | None = None) -> SparseTeacher:
     """:func:`select_topk` after validation, from a row source (``Rows`` of teacher logits or
     ``LinearRows`` of a teacher's LM head), with this rank's shard known.
 
-    The work buffers get ``scale`` times the chunk budget: the logits losses select before the
-    student's backward allocates its gradient, so the selection can afford larger chunks than
-    the student's loop (4); the fused losses, whose whole budget is small, pass 1.
+    The work buffers get ``budget_factor`` times the chunk budget: the logits losses select
+    before the student's backward allocates its gradient, so the selection can afford larger
+    chunks than the student's loop (4); the fused losses, whose whole budget is small, pass 1.
+    ``logit_scale`` and ``softcap`` turn a teacher LM head's products into its logits.
     """
     values, local_idx, rest_max, rest_logsum = _local_candidates(
-        rows, k, temperature, shard.valid(vocab), chunk_bytes, scale
-    )
+        rows, k, temperature, shard.valid(vocab), chunk_bytes, budget_factor, logit_scale,
+        softcap)
     indices = local_idx + shard.offset
     if values.shape[-1] < k:  # this shard is narrower than k: pad so every rank sends [n, k]
         pad = k - values.shape[-1]
@@ -242,7 +209,7 @@ def select_rows(rows, k, top_p, top_p_min_k, temperature, vocab, shard, process_
     # Merge in row blocks so the gathered candidates ([block, ranks * K]) stay within budget;
     # the block size comes from numbers every rank shares (one all-gather per block).
     budget = budget_bytes(chunk_bytes, n, -(-shard.total // ranks), rows.element_size)
-    per = max(1, scale * budget // (24 * ranks * k))
+    per = max(1, budget_factor * budget // (24 * ranks * k))
     for start, stop in row_chunks(n, per):
         block = _merge(values[start:stop], indices[start:stop], rest_max[start:stop],
                        rest_logsum[start:stop], k, top_p, top_p_min_k, process_group)

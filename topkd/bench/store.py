@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -53,12 +52,10 @@ import sys
 import tempfile
 import time
 
-from . import __main__ as base
+from . import harness
+from .harness import DTYPE_BYTES, DTYPES, MiB
 
-GiB, MiB = base.GiB, base.MiB
 MB = 10**6
-DTYPES = ("bfloat16", "float16", "float32")
-DTYPE_BYTES = base.DTYPE_BYTES
 PEAK_LOW, PEAK_HIGH = 12.0, 28.0  # peaked tokens' logits, uniform in [low, high)
 
 
@@ -391,13 +388,12 @@ def _read_breakdown(path, ids, tokens_of):
     return out
 
 
-def run_read(args) -> dict:
+def run_read(args, path) -> dict:
     import torch
 
     torch.set_num_threads(args.read_threads)
     from topkd.store import TeacherStore
 
-    path = args.child_store
     result = {"status": "error", "threads": torch.get_num_threads()}
     a = time.perf_counter()
     store = TeacherStore(path, k=args.k, vocab_size=args.vocab)
@@ -530,70 +526,14 @@ def run_loss(args) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _child_command(args, kind, out_path, store=None):
-    cmd = [sys.executable, "-m", "topkd.bench", "store", "--child", kind,
-           "--child-out", out_path, "--child-root", args.root,
-           "--k", str(args.k), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
-           "--seq-len", str(args.seq_len), "--runs", str(args.runs), "--pool", str(args.pool),
-           "--write-runs", str(args.write_runs),
-           "--top-p", repr(args.top_p), "--dtypes", *args.dtypes,
-           "--shard-bytes", str(args.shard_bytes), "--read-seqs", str(args.read_seqs),
-           "--batch", str(args.batch), "--read-threads", str(args.read_threads),
-           "--loss-batch", str(args.loss_batch),
-           "--loss-seq-len", str(args.loss_seq_len), "--seed", str(args.seed),
-           "--threads", str(args.threads)]
-    if args.drop_cache:
-        cmd.append("--drop-cache")
-    if store is not None:
-        cmd += ["--child-store", store]
-    return cmd
-
-
-def _run_child(args, kind, store=None) -> dict:
-    env = dict(os.environ)
-    # the child imports this topkd even when it is not installed (run from a checkout)
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory(prefix="topkd-bench-store-child-") as tmp:
-        out_path = os.path.join(tmp, "result.json")
-        err_path = os.path.join(tmp, "stderr.txt")
-        t0 = time.perf_counter()
-        try:
-            with open(err_path, "w") as err:
-                proc = subprocess.run(_child_command(args, kind, out_path, store),
-                                      stdout=err, stderr=err, env=env,
-                                      timeout=args.timeout or None)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            return {"status": "timeout", "message": f"no result after {args.timeout} s"}
-        tail = ""
-        if os.path.exists(err_path):
-            with open(err_path, errors="replace") as f:
-                tail = f.read()
-        for line in tail.splitlines():
-            if line.startswith("  "):
-                print(line, file=sys.stderr, flush=True)
-        if os.path.exists(out_path):
-            with open(out_path) as f:
-                result = json.load(f)
-            result["process_s"] = time.perf_counter() - t0
-            return result
-        return {"status": "oom" if rc == -9 else "crashed",
-                "message": f"child exited {rc}: {tail.strip()[-600:]}"}
-
-
-def _child_main(args) -> dict:
-    try:
-        if args.child == "write":
-            return run_write(args)
-        if args.child == "read":
-            return run_read(args)
-        return run_loss(args)
-    except Exception as exc:
-        import traceback
-
-        traceback.print_exc()
-        return {"status": "error", "message": f"{type(exc).__name__}: {str(exc)[:400]}"}
+def _run_child(args, phase, *job) -> dict:
+    """One phase (``run_write``, ``run_read``, ``run_loss``) in a fresh process; its wall time,
+    process start included, as ``process_s``."""
+    t0 = time.perf_counter()
+    result = harness.run_child(f"topkd.bench.store:{phase}", vars(args), *job,
+                               timeout=args.timeout, echo=True)
+    result["process_s"] = time.perf_counter() - t0
+    return result
 
 
 def _filesystem(path):
@@ -638,12 +578,6 @@ def _rate(x):
     return f"{x:.0f}"
 
 
-def _spread(times):
-    if len(times) < 2:
-        return ""
-    return f" [{min(times):.2f}-{max(times):.2f} s]"
-
-
 def _rate_spread(mode, batch=1):
     """`` [slowest-fastest]`` run of a read mode, in its unit (sequences or batches per s)."""
     times = mode.get("times_s") or []
@@ -674,10 +608,9 @@ def format_table(saved) -> str:
         f"{meta['dir']} ({meta.get('filesystem') or 'filesystem unknown'}), topkd "
         f"{meta.get('git') or 'unknown revision'}",
     ]
-    if meta.get("loadavg_start") and meta.get("loadavg_end"):
-        lines += ["", f"{meta['cpus']} CPUs; load average (1 min) {meta['loadavg_start'][0]:.2f} "
-                      f"at the start, {meta['loadavg_end'][0]:.2f} at the end; total "
-                      f"{meta['total_s']:.0f} s."]
+    load = harness.load_line(meta)
+    if load:
+        lines += ["", load]
     pool = meta.get("pool")
     if pool:
         lines += ["", f"Teacher rows: a pool of {pool['sequences']} distinct sequences "
@@ -707,7 +640,7 @@ def format_table(saved) -> str:
                f"| {_payload(s['dtype'], k, s['top_p'], s['kept_mean']):.1f} "
                f"| {'<=' if bpt <= bound else '> (exceeded)'} {bound_text} "
                f"| {_rate(s['write_tokens_per_s'])} | {s['write_mb_per_s']:,.0f}"
-               f"{_spread(s['write_times_s'])} |")
+               f"{harness.spread(s['write_times_s'], ' s')} |")
         read = s.get("read") or {}
         if read.get("status") == "ok":
             m = read["modes"]
@@ -844,7 +777,7 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=0.95, help="top_p of the second row (0.95)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES),
                    help="logprob_dtype of the stores (all three)")
-    p.add_argument("--shard-bytes", type=base._int_bytes, default=256 * MiB,
+    p.add_argument("--shard-bytes", type=harness.int_bytes, default=256 * MiB,
                    help="the writer's shard_bytes (256MiB, its default)")
     p.add_argument("--read-seqs", type=int, default=256,
                    help="sequences read per run, distinct, random order (256; 0: all)")
@@ -864,21 +797,15 @@ def build_parser():
                         "a fresh subdirectory, removed after unless --keep")
     p.add_argument("--keep", action="store_true", help="keep the stores (path printed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the logits and token ids (0)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase (1800)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--save", metavar="FILE", help="also write the JSON results to FILE")
-    p.add_argument("--load", metavar="FILE", help="print the table of saved results; runs nothing")
-    p.add_argument("--child", choices=("write", "read", "loss"), help=argparse.SUPPRESS)
-    p.add_argument("--child-out", help=argparse.SUPPRESS)
-    p.add_argument("--child-root", dest="root", help=argparse.SUPPRESS)
-    p.add_argument("--child-store", help=argparse.SUPPRESS)
+    harness.add_process_options(p, mem_limit=False)
+    harness.add_output_options(p)
     return p
 
 
-def main(argv=None) -> int:
+def main(argv) -> int:
     args = build_parser().parse_args(argv)
-    if base.child_or_load(args, _child_main if args.child else None, format_table):
+    if args.load:
+        harness.show_saved(args, format_table)
         return 0
     if args.seq_len < 1 or args.tokens < args.seq_len or min(args.runs, args.write_runs,
                                                              args.pool, args.batch) < 1:
@@ -886,7 +813,7 @@ def main(argv=None) -> int:
                          "--pool, --batch >= 1")
 
     t_start = time.perf_counter()
-    load_start = base._loadavg()
+    load_start = harness.loadavg()
     root = tempfile.mkdtemp(prefix="topkd-bench-store-", dir=args.dir)
     args.root = root
     loss = None
@@ -895,7 +822,7 @@ def main(argv=None) -> int:
         print(f"[1/3] write: pool of {args.pool} teacher sequences, then "
               f"{len(store_configs(args))} stores of {sequences * args.seq_len:,} tokens x "
               f"{args.write_runs} write(s) in {root} ...", file=sys.stderr, flush=True)
-        written = _run_child(args, "write")
+        written = _run_child(args, "run_write")
         if written.get("status") != "ok":
             print(f"write failed: {written.get('message')}", file=sys.stderr)
             return 1
@@ -903,7 +830,7 @@ def main(argv=None) -> int:
         for n, s in enumerate(stores, 1):
             print(f"[2/3] read {s['name']} ({n}/{len(stores)}) in a fresh process ...",
                   file=sys.stderr, flush=True)
-            s["read"] = _run_child(args, "read", store=s["path"])
+            s["read"] = _run_child(args, "run_read", s["path"])
             r = s["read"]
             if r.get("status") == "ok":
                 m = r["modes"]
@@ -916,7 +843,7 @@ def main(argv=None) -> int:
         if args.loss:
             print(f"[3/3] loss: {args.loss_batch} x {args.loss_seq_len} rows, store vs online "
                   "...", file=sys.stderr, flush=True)
-            loss = _run_child(args, "loss")
+            loss = _run_child(args, "run_loss")
     finally:
         if args.keep:
             print(f"stores kept in {root}", file=sys.stderr)
@@ -936,23 +863,10 @@ def main(argv=None) -> int:
         "dir": args.dir or tempfile.gettempdir(),
         "filesystem": _filesystem(args.dir or tempfile.gettempdir()),
         "write_breakdown": written.get("write_breakdown"), "git": _git_state(),
-        "python": platform.python_version(), "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "command": "python -m topkd.bench store " + " ".join(
-            sys.argv[2:] if argv is None else argv),
-        "total_s": time.perf_counter() - t_start, "loadavg_start": load_start,
-        "loadavg_end": base._loadavg(),
+        **harness.run_meta("store", argv, t_start, load_start),
     }
     for s in stores:
         s.pop("path", None)
-    saved = {"meta": meta, "results": stores, "loss": loss}
-    if args.save:
-        with open(args.save, "w") as f:
-            json.dump(saved, f, indent=2)
-    print(json.dumps(saved, indent=2) if args.json else format_table(saved))
+    harness.emit(args, {"meta": meta, "results": stores, "loss": loss}, format_table)
     ok = all((s.get("read") or {}).get("status") == "ok" for s in stores)
     return 0 if ok and (loss is None or loss.get("status") == "ok") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,8 @@ import warnings
 import torch
 
 from .. import _checks
-from ..select import SparseTeacher, select_topk
+from ..select import select_topk
+from ..teacher import SparseTeacher
 from . import format as fmt
 
 TEXT_SUFFIXES = (".txt",)

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ..select import SparseTeacher
+from ..teacher import SparseTeacher
 from . import format as fmt
 
 

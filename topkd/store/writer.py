@@ -11,7 +11,7 @@ from functools import partial
 import torch
 
 from .. import _checks
-from ..select import SparseTeacher
+from ..teacher import SparseTeacher
 from . import format as fmt
 from .reader import read_shard_ids
 

@@ -21,13 +21,6 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 _DEFAULT_FRACTION = 16
 
 
-def widen(low: torch.Tensor, spare: int = 0) -> torch.Tensor:
-    """``low`` copied into a new float32 buffer with ``spare`` extra (uninitialized) columns."""
-    out = torch.empty(low.shape[0], low.shape[1] + spare, dtype=torch.float32, device=low.device)
-    out[:, :low.shape[1]].copy_(low)
-    return out
-
-
 class Rows:
     """A ``[..., V]`` logits tensor read as ``[rows, V]``, one chunk of rows at a time."""
 
@@ -84,24 +77,38 @@ class LogitsGradient:
         return (self.grad,)
 
 
+def product_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype the fused products run in: the lower precision of the inputs' (bfloat16 or
+    float16 hidden states with a float32 weight, as under autocast, run in the 16-bit one)."""
+    low = {d for d in dtypes if d != torch.float32}
+    if len(low) > 1:
+        raise TypeError(f"hidden and weight mix {sorted(str(d) for d in low)}; convert one, "
+                        f"e.g. weight.to(hidden.dtype)")
+    return low.pop() if low else torch.float32
+
+
 class LinearRows:
     """Logits ``hidden @ weight.T + bias`` that never exist whole: one chunk of rows at a time.
 
     ``hidden`` ``[..., H]``, ``weight`` ``[V_r, H]``, ``bias`` ``[V_r]`` or ``None``. A chunk is
-    computed by one matrix product in the weight's dtype (as the unfused ``hidden @ weight.T``
-    is) and then widened to float32.
+    computed by one matrix product in :func:`product_dtype` (as the unfused, autocast
+    ``hidden @ weight.T`` is) and then widened to float32. An input in another dtype is
+    converted once per call; ``inputs`` keeps the originals, whose dtypes the gradients take.
     """
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  stage_rows: int = 1):
-        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.inputs = (hidden, weight, bias)
+        dtype = product_dtype(hidden.dtype, weight.dtype)
+        self.hidden, self.weight = hidden.to(dtype), weight.to(dtype)
+        self.bias = None if bias is None else bias.to(dtype)
         self.stage_rows = stage_rows
         self.lead_shape = tuple(hidden.shape[:-1])
         self.count = math.prod(self.lead_shape)
         self.width = weight.shape[0]
         self.device = weight.device
-        self.element_size = weight.element_size()
-        self.flat_hidden = hidden.reshape(self.count, hidden.shape[-1])
+        self.element_size = self.weight.element_size()
+        self.flat_hidden = self.hidden.reshape(self.count, hidden.shape[-1])
 
     def low_chunk(self, start: int, stop: int, columns: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,21 +302,15 @@ class LinearGradient:
         self.flush()
         self._stage = None
 
-    def result(self, scale: torch.Tensor | None = None) -> tuple:
-        """The gradients in the inputs' dtypes, times ``scale`` (the upstream gradient of a
-        loss whose gradients were accumulated in forward) when given: new tensors, so a
-        second backward through the same graph sees the accumulators unchanged."""
-        rows = self.rows
-        out = []
-        for acc, like in ((self.hidden, rows.hidden), (self.weight, rows.weight),
-                          (self.bias, rows.bias)):
-            if acc is None:
-                out.append(None)
-                continue
-            if scale is not None:
-                acc = acc * scale.to(acc.dtype)
-            out.append(acc.to(like.dtype).view(like.shape))
-        return tuple(out)
+    def accumulators(self) -> tuple:
+        """The gradients of (hidden, weight, bias) as accumulated (None where not needed)."""
+        return self.hidden, self.weight, self.bias
+
+    def result(self) -> tuple:
+        """The gradients in the inputs' dtypes and shapes; a float32 accumulator is returned as
+        it is when its input is float32."""
+        return tuple(None if acc is None else acc.to(like.dtype).view(like.shape)
+                     for acc, like in zip(self.accumulators(), self.rows.inputs, strict=True))
 
 
 def budget_bytes(chunk_bytes: int | None, rows: int, width: int, element_bytes: int) -> int:

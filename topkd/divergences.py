@@ -1,0 +1,256 @@
+"""The divergences ``D(q, p)`` between the teacher ``q`` and the student ``p``: one class each.
+
+A divergence is a sum over buckets of an elementwise term ``f(log p_j, log q_j)``. A class
+supplies that term twice:
+
+- :meth:`Divergence.pointwise`: the term in plain, autograd-safe PyTorch. The Top-K losses sum
+  it over the ``[rows, K+1]`` buckets (kept entries and the ghost) and take its gradient by
+  autograd; the full-vocabulary losses use it too unless :meth:`~Divergence.terms` is given.
+- :meth:`Divergence.terms`: for the full-vocabulary losses, per chunk of ``[rows, V]``
+  float32 log-probabilities and probabilities, the term ``f`` and ``h = p * df/dp``, without
+  autograd. The chunk gradient is then ``dD/da_j = h_j - p_j * sum_k h_k``. The base class
+  derives ``h`` from :meth:`pointwise` by autograd; a class overrides it to save the passes.
+
+So a new divergence is one new class here with :meth:`pointwise` (and a name in ``_NAMES``);
+nothing else changes. Every term whose weight is exactly 0 is exactly 0, never NaN, in value
+and gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def _weighted(weight: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``weight * value`` with exactly 0 where the weight is 0 (``0 * log 0 = 0``).
+
+    ``value`` is replaced as well as the product, so autograd sees no ``0 * inf`` either."""
+    dead = weight == 0
+    return torch.where(dead, 0.0, weight * torch.where(dead, 0.0, value))
+
+
+def _times_(value: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``value *= weight`` in place, exactly 0 where the weight is 0 (no autograd)."""
+    return value.mul_(weight).masked_fill_(weight == 0, 0.0)
+
+
+def kl_terms(log_w: torch.Tensor, log_o: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``w * (log w - log o)`` with ``0 * log 0 = 0``: the terms of ``KL(w || o)``."""
+    return _weighted(log_w.exp(), log_w - log_o)
+
+
+def log_mix(weight: float, log_x: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:
+    """``log(weight * x + (1 - weight) * y)``, elementwise and autograd-safe where both are 0."""
+    if weight == 0.0:
+        return log_y
+    if weight == 1.0:
+        return log_x
+    x = log_x + math.log(weight)
+    y = log_y + math.log1p(-weight)
+    both_dead = (x == _NEG_INF) & (y == _NEG_INF)
+    out = torch.logaddexp(torch.where(both_dead, 0.0, x), torch.where(both_dead, 0.0, y))
+    return torch.where(both_dead, _NEG_INF, out)
+
+
+def _check_weight(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number in [0, 1], got {value!r}")
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return value
+
+
+class Divergence:
+    """Base class: ``D(q, p) = sum_j f(log p_j, log q_j)`` over the buckets it is given."""
+
+    name = "divergence"
+    # Float32 chunk-sized buffers :meth:`terms` may hold at once (for the chunk budget).
+    buffers = 6
+
+    def pointwise(self, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+        """Elementwise ``f`` of float32 log-probabilities (``-inf`` for zero mass)."""
+        raise NotImplementedError
+
+    def buckets(self, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+        """Per-row ``D`` over the last dimension of ``[n, buckets]`` log-probabilities."""
+        return self.pointwise(logp, logq).sum(-1)
+
+    def terms(self, logp, logq, p, q):
+        """``(f, h)`` elementwise for a chunk, ``h = p * df/dp = df/dlogp``; ``logp``, ``logq``
+        and ``q`` may be overwritten, ``p`` must be left as it is (the gradient needs it).
+        This default differentiates :meth:`pointwise` by autograd."""
+        with torch.enable_grad():
+            lp = logp.detach().requires_grad_(True)
+            f = self.pointwise(lp, logq)
+            (h,) = torch.autograd.grad(f.sum(), lp)
+        return f.detach(), h
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and repr(self) == repr(other)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+
+class KL(Divergence):
+    """``KL(q || p) = sum q (log q - log p)``: forward KL, the teacher as the target."""
+
+    name = "kl"
+    buffers = 4
+
+    def pointwise(self, logp, logq):
+        return kl_terms(logq, logp)
+
+    def terms(self, logp, logq, p, q):
+        return _times_(logq.sub_(logp), q), q.neg_()
+
+
+class ReverseKL(Divergence):
+    """``KL(p || q) = sum p (log p - log q)``: reverse KL, mode-seeking."""
+
+    name = "reverse_kl"
+    buffers = 4
+
+    def pointwise(self, logp, logq):
+        return kl_terms(logp, logq)
+
+    def terms(self, logp, logq, p, q):
+        f = _times_(logp.sub_(logq), p)
+        return f, f + p
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class JSD(Divergence):
+    """Generalized Jensen-Shannon divergence, TRL's and Liger-Kernel's convention.
+
+    ``beta = 0``: exactly ``KL(q || p)``; ``beta = 1``: exactly ``KL(p || q)``; otherwise, with
+    the mixture ``M = beta * q + (1 - beta) * p``: ``beta * KL(q || M) + (1 - beta) * KL(p || M)``.
+    """
+
+    beta: float = 0.5
+    name = "jsd"
+
+    def __post_init__(self):
+        object.__setattr__(self, "beta", _check_weight("JSD beta", self.beta))
+
+    def __repr__(self) -> str:
+        return f"JSD(beta={self.beta})"
+
+    def pointwise(self, logp, logq):
+        beta = self.beta
+        if beta == 0.0:
+            return kl_terms(logq, logp)
+        if beta == 1.0:
+            return kl_terms(logp, logq)
+        logm = log_mix(beta, logq, logp)
+        return beta * kl_terms(logq, logm) + (1 - beta) * kl_terms(logp, logm)
+
+    def terms(self, logp, logq, p, q):
+        beta = self.beta
+        if beta == 0.0:
+            return KL().terms(logp, logq, p, q)
+        if beta == 1.0:
+            return ReverseKL().terms(logp, logq, p, q)
+        logm = torch.add(q * beta, p, alpha=1 - beta).log_()
+        h = _times_(logp.sub_(logm), p).mul_(1 - beta)  # (1 - beta) p (log p - log M)
+        f = _times_(logq.sub_(logm), q).mul_(beta).add_(h)
+        return f, h
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class SkewKL(Divergence):
+    """Skew KL (DistiLLM): ``KL(q || alpha * q + (1 - alpha) * p)``; ``alpha = 0`` is KL."""
+
+    alpha: float = 0.1
+    name = "skew_kl"
+
+    def __post_init__(self):
+        object.__setattr__(self, "alpha", _check_weight("SkewKL alpha", self.alpha))
+
+    def __repr__(self) -> str:
+        return f"SkewKL(alpha={self.alpha})"
+
+    def pointwise(self, logp, logq):
+        return kl_terms(logq, log_mix(self.alpha, logq, logp))
+
+    def terms(self, logp, logq, p, q):
+        alpha = self.alpha
+        m = torch.add(q * alpha, p, alpha=1 - alpha)
+        f = _times_(logq.sub_(m.log()), q)
+        # p * df/dp = -(1 - alpha) p q / M (0 where M = 0: then p q = 0 too)
+        h = q.mul_(p).div_(m).mul_(alpha - 1).masked_fill_(m == 0, 0.0)
+        return f, h
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class SkewReverseKL(Divergence):
+    """Skew reverse KL (DistiLLM): ``KL(p || alpha * p + (1 - alpha) * q)``; ``alpha = 0`` is
+    reverse KL."""
+
+    alpha: float = 0.1
+    name = "skew_reverse_kl"
+
+    def __post_init__(self):
+        object.__setattr__(self, "alpha", _check_weight("SkewReverseKL alpha", self.alpha))
+
+    def __repr__(self) -> str:
+        return f"SkewReverseKL(alpha={self.alpha})"
+
+    def pointwise(self, logp, logq):
+        return kl_terms(logp, log_mix(self.alpha, logp, logq))
+
+    def terms(self, logp, logq, p, q):
+        alpha = self.alpha
+        m = torch.add(p * alpha, q, alpha=1 - alpha)
+        f = _times_(logp.sub_(m.log()), p)
+        # p * df/dp = p (log p - log M) + p - alpha p^2 / M (p^2 / M = 0 where M = 0)
+        ratio = (p * p).div_(m).masked_fill_(m == 0, 0.0)
+        return f, ratio.mul_(-alpha).add_(p).add_(f)
+
+
+class TVD(Divergence):
+    """Total variation distance ``0.5 * sum |q - p|`` (its subgradient is 0 where ``p = q``)."""
+
+    name = "tvd"
+    buffers = 4
+
+    def pointwise(self, logp, logq):
+        return 0.5 * (logq.exp() - logp.exp()).abs()
+
+    def terms(self, logp, logq, p, q):
+        diff = p.sub(q)
+        return diff.abs().mul_(0.5), diff.sign_().mul_(p).mul_(0.5)
+
+
+_NAMES = {cls.name: cls for cls in (KL, ReverseKL, JSD, SkewKL, SkewReverseKL, TVD)}
+
+
+def resolve(divergence, reverse: bool = False) -> Divergence:
+    """The divergence object for ``divergence=`` (a name, an object) and the legacy
+    ``reverse=True`` (``"reverse_kl"``; an error with any other divergence)."""
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse must be a bool, got {reverse!r}")
+    if isinstance(divergence, str):
+        if divergence not in _NAMES:
+            raise ValueError(f"divergence must be one of {sorted(_NAMES)} or a "
+                             f"topkd.Divergence object, got {divergence!r}")
+        divergence = _NAMES[divergence]()
+    elif not isinstance(divergence, Divergence):
+        raise TypeError(f"divergence must be a name {sorted(_NAMES)} or a topkd.Divergence "
+                        f"object, got {type(divergence).__name__}")
+    if reverse:
+        if not isinstance(divergence, (KL, ReverseKL)):
+            raise ValueError(f"reverse=True means divergence='reverse_kl' and cannot be "
+                             f"combined with divergence={divergence!r}")
+        return ReverseKL()
+    return divergence

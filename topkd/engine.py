@@ -1,0 +1,532 @@
+"""The chunk engine: one driver that every loss runs through.
+
+Per chunk of rows the driver asks a *path* to read the chunk and compute its statistics, the
+path combines them across tensor-parallel ranks (every collective of the losses is in
+``_combine_*`` below), computes each row's KD and CE values, and, when the upstream gradient
+is known, the chunk's gradient, which goes to a *sink* (the logits' gradient, or a fused LM
+head's hidden, weight and bias gradients). Two paths:
+
+- :class:`SparsePath`: the teacher is K kept entries plus a ghost bucket per row (a
+  :class:`~topkd.SparseTeacher`, given or selected chunk by chunk); the divergence runs by
+  autograd over the ``[rows, K+1]`` buckets.
+- :class:`DensePath`: the teacher is a whole distribution (logits or an LM head); the
+  divergence's terms run over every vocabulary entry.
+
+Two autograd Functions use the driver: :class:`RowLoss` returns per-row values and writes the
+gradient in backward (a second pass); :class:`ScalarLoss`, for a loss reduced to a scalar,
+writes the gradients in forward (one pass) and saves them for backward to scale.
+
+Every rank cuts the same chunks (from numbers the ranks share), since the statistics are
+combined chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from . import kernels, parallel
+from .divergences import Divergence
+from .kernels import finite_or_zero
+from .sources import BlockedRows, LinearRows, Rows, row_chunks
+
+
+class LossParts(NamedTuple):
+    """``return_components=True``: the loss, and its KD and CE parts (detached, float32)."""
+
+    loss: torch.Tensor
+    kd: torch.Tensor
+    ce: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything but tensors that a loss call needs; travels as one object."""
+
+    divergence: Divergence
+    temperature: float
+    normalize: str = "full"
+    kd_weight: float = 1.0
+    ce_weight: float = 0.0
+    ignore_index: int = -100
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    teacher_logit_scale: float = 1.0
+    teacher_softcap: float | None = None
+    offset: int = 0  # this rank's first vocabulary column
+    valid: int = 0  # this rank's columns below vocab_size
+    group: Any = None
+    rows_per_chunk: int = 1
+    block_rows: int = 0  # fused: student block rows (0 = logits)
+    teacher_block_rows: int = 0  # fused: a (hidden, weight) teacher's block rows
+
+
+def local_columns(indices: torch.Tensor, offset: int, valid: int) -> torch.Tensor:
+    """This shard's column of each global index; indices that are negative, on another rank or
+    padding point at the spare column ``valid``, so gathers and scatters need no masks."""
+    local = indices - offset
+    on_rank = (indices >= 0) & (local >= 0) & (local < valid)
+    return torch.where(on_rank, local, torch.full_like(local, valid))
+
+
+def row_chunk_count(chunk_bytes, rows: int, widest: int, element_size: int, buffers: int) -> int:
+    """Rows per chunk, from numbers every rank shares: ``buffers`` float32 rows of the widest
+    shard (+1 spare column) within the budget (default ``min(64 MiB, logits / 16)``)."""
+    from .sources import chunk_rows
+
+    return chunk_rows(chunk_bytes, widest + 1, rows, element_size, buffers)
+
+
+# ---- collectives ------------------------------------------------------------------------
+
+
+def _combine_sum(x: torch.Tensor, group) -> torch.Tensor:
+    return parallel.all_reduce_sum_(x, group)
+
+
+# ---- the hard-label term's bookkeeping ---------------------------------------------------
+
+
+class _Labels:
+    """Per chunk: the label's column here (spare when ignored or on another rank) and which
+    rows have a label. ``folded``: at temperature 1 the CE term shares the KD normalizer."""
+
+    def __init__(self, labels: torch.Tensor | None, cfg: Config):
+        self.labels = labels
+        self.cfg = cfg
+        self.folded = cfg.temperature == 1.0
+
+    def columns(self, start: int, stop: int):
+        if self.labels is None:
+            return None
+        return local_columns(self._real(start, stop), self.cfg.offset, self.cfg.valid)
+
+    def _real(self, start, stop):
+        labels = self.labels[start:stop]
+        return torch.where(labels == self.cfg.ignore_index, -1, labels)
+
+    def has(self, start: int, stop: int):
+        return self.labels[start:stop] != self.cfg.ignore_index
+
+    def gradient_(self, grad, low, columns, rows, g_ce):
+        """Add the CE gradient that is not folded into the normalizer: the label's ``-g`` and,
+        at T != 1, ``g * softmax(z)`` at temperature 1."""
+        if self.labels is None:
+            return grad
+        if not self.folded:
+            z = kernels.logits_(kernels.widen(low), self.cfg.logit_scale, self.cfg.softcap)
+            kernels.softmax_part_(grad, z, rows["ce_max"], rows["ce_sum"], g_ce)
+        return kernels.label_part_(grad, columns, g_ce)
+
+
+def _ce_rows(has, norm_max, norm_sum, z_label):
+    """``-log softmax(z)_label = (max - z_label) + log sum`` on rows with a label, else 0."""
+    ce = (finite_or_zero(norm_max) - z_label) + norm_sum.log()
+    return torch.where(has, ce, 0.0)
+
+
+# ---- paths --------------------------------------------------------------------------------
+
+
+class SparsePath:
+    """The student against K kept teacher entries and a ghost bucket per row.
+
+    ``teacher_rows(start, stop)`` gives the chunk's :class:`~topkd.SparseTeacher` rows (as
+    ``[r, K]``); in backward only the saved columns are used."""
+
+    def __init__(self, cfg: Config, student, teacher_rows, labels):
+        self.cfg, self.student, self.teacher_rows = cfg, student, teacher_rows
+        self.labels = _Labels(labels, cfg)
+
+    @staticmethod
+    def buffers(cfg: Config, labels) -> int:
+        return 1 + (labels is not None and cfg.temperature != 1.0) + (cfg.softcap is not None)
+
+    def _read(self, start, stop, with_label):
+        cfg = self.cfg
+        low = self.student.low_chunk(start, stop, cfg.valid)
+        label_columns = self.labels.columns(start, stop) if with_label else None
+        a, z_label = kernels.read(low, cfg.temperature, cfg.logit_scale, cfg.softcap, 1,
+                                  label_columns)
+        return low, a, label_columns, z_label
+
+    def forward(self, start: int, stop: int):
+        cfg, labels = self.cfg, self.labels
+        teacher = self.teacher_rows(start, stop)
+        r, k = stop - start, teacher.indices.shape[-1]
+        columns = local_columns(teacher.indices.reshape(r, k), cfg.offset, cfg.valid)
+        low, a, label_columns, z_label = self._read(start, stop, labels.labels is not None)
+        ce_norm = None
+        if labels.labels is not None and not labels.folded:
+            ce_norm = kernels.log_normalizer(
+                kernels.logits_(kernels.widen(low), cfg.logit_scale, cfg.softcap))
+        selected, rest_max, rest_sum = kernels.sparse_statistics(a, columns)
+
+        # combine: one MAX (kept values, ghost max, label logit, CE max), one SUM
+        extra = [] if z_label is None else [z_label[:, None]]
+        extra += [] if ce_norm is None else [ce_norm[0][:, None]]
+        maxima = torch.cat([selected, rest_max[:, None], *extra], -1)
+        sums = torch.cat([rest_sum[:, None]] + ([] if ce_norm is None else
+                                                [ce_norm[1][:, None]]), -1)
+        maxima, sums = _combine_sparse(maxima, sums, k, cfg.group)
+        rows = self._statistics(maxima, sums, k, columns)
+        rows["kd"], rows["grad_sel"], rows["grad_rest"] = self._buckets(rows, teacher, r, k)
+        if labels.labels is not None:
+            has = labels.has(start, stop)
+            z_label = maxima[:, k + 1]
+            if labels.folded:
+                rows["ce"] = _ce_rows(has, rows["row_max"], rows["total"], z_label)
+            else:
+                rows["ce_max"], rows["ce_sum"] = maxima[:, k + 2], sums[:, 1]
+                rows["ce"] = _ce_rows(has, rows["ce_max"], rows["ce_sum"], z_label)
+        state = (low, a, columns, label_columns, rest_max)
+        return state, rows
+
+    @staticmethod
+    def _statistics(maxima, sums, k, columns):
+        selected, rest_max, rest_sum = maxima[:, :k], maxima[:, k], sums[:, 0]
+        row_max = finite_or_zero(torch.maximum(selected.amax(-1), rest_max))
+        total = torch.exp(selected - row_max[:, None]).sum(-1)
+        total += rest_sum * torch.exp(rest_max - row_max)
+        return {"columns": columns.int(), "selected": selected.contiguous(), "row_max": row_max,
+                "total": total, "rest_max": rest_max, "rest_sum": rest_sum}
+
+    def _buckets(self, rows, teacher, r, k):
+        """Per-row KD over the buckets, and its gradient w.r.t. the student's bucket
+        log-probabilities (autograd over ``[r, K+1]``)."""
+        cfg = self.cfg
+        log_total = rows["total"].log()
+        logp_sel = (rows["selected"] - rows["row_max"][:, None]) - log_total[:, None]
+        logp_rest = (rows["rest_max"] - rows["row_max"]) + rows["rest_sum"].log() - log_total
+        logq_sel = teacher.logprobs.reshape(r, k)
+        logq_rest = teacher.rest_logprob.reshape(r)
+        with torch.enable_grad():
+            logp_sel.requires_grad_(True)
+            logp_rest.requires_grad_(True)
+            if cfg.normalize == "topk":
+                kd = cfg.divergence.buckets(_renormalize(logp_sel), _renormalize(logq_sel))
+            else:
+                kd = cfg.divergence.buckets(torch.cat([logp_sel, logp_rest[:, None]], -1),
+                                            torch.cat([logq_sel, logq_rest[:, None]], -1))
+            # normalize="topk" leaves logp_rest out: its gradient is zero.
+            grad_sel, grad_rest = torch.autograd.grad(kd.sum(), (logp_sel, logp_rest),
+                                                      allow_unused=True,
+                                                      materialize_grads=True)
+        return kd.detach(), grad_sel, grad_rest
+
+    def refresh(self, start, stop, rows):
+        low, a, label_columns, _ = self._read(start, stop, False)
+        return (low, a, rows["columns"].long(), self.labels.columns(start, stop), None)
+
+    def gradient(self, state, rows, g_kd, g_ce):
+        cfg = self.cfg
+        low, a, columns, label_columns, exp_max = state
+        grad_sel = rows["grad_sel"] * g_kd[:, None]
+        grad_rest = rows["grad_rest"] * g_kd
+        grad_norm = -(grad_sel.sum(-1) + grad_rest)
+        if self.labels.labels is not None and self.labels.folded:
+            grad_norm = grad_norm + g_ce
+        kernels.sparse_gradient_(a, columns, rows["row_max"], rows["total"], rows["rest_max"],
+                                 rows["rest_sum"], rows["selected"], grad_sel, grad_norm,
+                                 grad_rest, cfg.temperature, exp_max)
+        self.labels.gradient_(a, low, label_columns, rows, g_ce)
+        return kernels.logits_grad_(a, low, cfg.logit_scale, cfg.softcap)
+
+
+def _combine_sparse(maxima, sums, k, group):
+    """Global maxima and rescaled sums (one MAX, one SUM all-reduce) in the sparse layout:
+    column ``k`` of ``maxima`` (the ghost max) goes with column 0 of ``sums``, column ``k + 2``
+    (CE max) with column 1. A kept index lives on one rank; the others hold -inf there."""
+    if group is None:
+        return maxima, sums
+    local = maxima
+    maxima = parallel.all_reduce_max_(maxima.clone(), group)
+    paired = [k] + ([k + 2] if sums.shape[1] > 1 else [])
+    scale = torch.exp(local[:, paired] - finite_or_zero(maxima[:, paired]))
+    sums = torch.where(sums > 0, sums * scale, 0.0)
+    return maxima, parallel.all_reduce_sum_(sums, group)
+
+
+def _renormalize(logp: torch.Tensor) -> torch.Tensor:
+    """``logp`` renormalized over its finite entries; a row with none stays all ``-inf``."""
+    any_live = torch.isfinite(logp).any(-1, keepdim=True)
+    safe = torch.where(any_live, logp, torch.zeros_like(logp))
+    return logp - torch.logsumexp(safe, dim=-1, keepdim=True)
+
+
+class DensePath:
+    """The student against the teacher's whole distribution (logits or an LM head)."""
+
+    def __init__(self, cfg: Config, student, teacher, labels):
+        self.cfg, self.student, self.teacher = cfg, student, teacher
+        self.labels = _Labels(labels, cfg)
+
+    @staticmethod
+    def buffers(cfg: Config, labels) -> int:
+        return (2 + cfg.divergence.buffers + (labels is not None and cfg.temperature != 1.0)
+                + (cfg.softcap is not None))
+
+    def _read(self, start, stop, label_columns):
+        cfg = self.cfg
+        low = self.student.low_chunk(start, stop, cfg.valid)
+        a, z_label = kernels.read(low, cfg.temperature, cfg.logit_scale, cfg.softcap, 1,
+                                  label_columns)
+        b, _ = kernels.read(self.teacher.low_chunk(start, stop, cfg.valid), cfg.temperature,
+                            cfg.teacher_logit_scale, cfg.teacher_softcap, 1)
+        return low, a, b, z_label
+
+    def forward(self, start: int, stop: int):
+        cfg, labels = self.cfg, self.labels
+        label_columns = labels.columns(start, stop)
+        low, a, b, z_label = self._read(start, stop, label_columns)
+        ce_norm = None
+        if labels.labels is not None and not labels.folded:
+            ce_norm = kernels.log_normalizer(
+                kernels.logits_(kernels.widen(low), cfg.logit_scale, cfg.softcap))
+        local_max, local_sum, ea, eb = kernels.dense_statistics(a, b)
+
+        # combine 1: maxima (student, teacher, label logit, CE max) and sums
+        maxima = [local_max] + ([] if z_label is None else [z_label[:, None]])
+        maxima += [] if ce_norm is None else [ce_norm[0][:, None]]
+        sums = [local_sum] + ([] if ce_norm is None else [ce_norm[1][:, None]])
+        maxima, sums = _combine_dense(torch.cat(maxima, -1), torch.cat(sums, -1), cfg.group)
+        row_max, row_sum = maxima[:, :2], sums[:, :2]
+        shift = finite_or_zero(row_max) - finite_or_zero(local_max)
+        f_sum, h_sum, p, h = kernels.dense_terms(cfg.divergence, a, b, ea, eb,
+                                                 shift + row_sum.log(),
+                                                 torch.exp(-shift) / row_sum)
+        # combine 2: the divergence's row sums
+        kd, h_sum = _combine_sum(torch.stack([f_sum, h_sum], -1), cfg.group).unbind(-1)
+        rows = {"row_max": row_max, "row_sum": row_sum, "h_sum": h_sum, "kd": kd}
+        if labels.labels is not None:
+            has = labels.has(start, stop)
+            if labels.folded:
+                rows["ce"] = _ce_rows(has, row_max[:, 0], row_sum[:, 0], maxima[:, 2])
+            else:
+                rows["ce_max"], rows["ce_sum"] = maxima[:, 3], sums[:, 2]
+                rows["ce"] = _ce_rows(has, rows["ce_max"], rows["ce_sum"], maxima[:, 2])
+        return (low, p, h, label_columns), rows
+
+    def refresh(self, start, stop, rows):
+        cfg = self.cfg
+        low, a, b, _ = self._read(start, stop, None)
+        row_max, row_sum = finite_or_zero(rows["row_max"]), rows["row_sum"]
+        a.sub_(row_max[:, :1])
+        b.sub_(row_max[:, 1:])
+        _, _, p, h = kernels.dense_terms(cfg.divergence, a, b, a.exp(), b.exp(),
+                                         row_sum.log(), 1 / row_sum)
+        return (low, p, h, self.labels.columns(start, stop))
+
+    def gradient(self, state, rows, g_kd, g_ce):
+        cfg = self.cfg
+        low, p, h, label_columns = state
+        folded = g_ce if (self.labels.labels is not None and self.labels.folded) else \
+            torch.zeros_like(g_kd)
+        grad = kernels.dense_gradient_(p, h, rows["h_sum"], g_kd, folded, cfg.temperature)
+        self.labels.gradient_(grad, low, label_columns, rows, g_ce)
+        return kernels.logits_grad_(grad, low, cfg.logit_scale, cfg.softcap)
+
+
+def _combine_dense(maxima, sums, group):
+    """Global maxima and rescaled sums: columns 0 and 1 (student, teacher) of ``maxima`` go
+    with columns 0 and 1 of ``sums``, column 3 (CE max) with column 2."""
+    if group is None:
+        return maxima, sums
+    local = maxima
+    maxima = parallel.all_reduce_max_(maxima.clone(), group)
+    paired = [0, 1] + ([3] if sums.shape[1] > 2 else [])
+    scale = torch.exp(local[:, paired] - finite_or_zero(maxima[:, paired]))
+    sums = torch.where(sums > 0, sums * scale, 0.0)
+    return maxima, _combine_sum(sums, group)
+
+
+# ---- the driver ---------------------------------------------------------------------------
+
+
+def _cat_rows(parts: list[dict]) -> dict:
+    if not parts:
+        return {}
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
+def _slice_rows(rows: dict, start: int, stop: int) -> dict:
+    return {key: value[start:stop] for key, value in rows.items()}
+
+
+def sweep_forward(path, count: int, per: int, sink=None, weights=None):
+    """Every chunk's statistics and row values; with ``sink`` (and per-row ``weights``, the
+    upstream gradients of the KD and CE rows) each chunk's gradient too, in the same pass.
+    Returns the rows' values (only ``kd`` and ``ce`` with a sink)."""
+    parts = []
+    for start, stop in row_chunks(count, per):
+        state, rows = path.forward(start, stop)
+        if sink is not None:
+            w_kd, w_ce = weights[0][start:stop], weights[1][start:stop]
+            sink.add(start, stop, path.gradient(state, rows, w_kd, w_ce), path.cfg.valid)
+            rows = {key: rows[key] for key in ("kd", "ce") if key in rows}
+        del state  # free this chunk's buffers before the next is made
+        parts.append(rows)
+    if sink is not None:
+        sink.finish(path.cfg.valid)
+    return _cat_rows(parts)
+
+
+def sweep_backward(path, count: int, per: int, rows: dict, g_kd, g_ce, sink) -> None:
+    """Each chunk's gradient from the saved row statistics and the rows' upstream gradients."""
+    for start, stop in row_chunks(count, per):
+        part = _slice_rows(rows, start, stop)
+        state = path.refresh(start, stop, part)
+        sink.add(start, stop, path.gradient(state, part, g_kd[start:stop], g_ce[start:stop]),
+                 path.cfg.valid)
+        del state
+    sink.finish(path.cfg.valid)
+
+
+# ---- what a call is made of ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """A loss call without its tensors: the config, which path, and the names of the tensors
+    given to the autograd Functions (in that order; ``student`` names first)."""
+
+    config: Config
+    sparse: bool
+    student: tuple[str, ...]  # ("logits",) or ("hidden", "weight", "bias")
+    teacher: tuple[str, ...]  # sparse: ("indices", "logprobs", "rest"); dense: logits or LM head
+    count: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.student + self.teacher + ("labels",)
+
+    def student_source(self, named: dict, blocked: bool):
+        if self.student == ("logits",):
+            return Rows(named["logits"])
+        source = LinearRows(named["hidden"], named["weight"], named["bias"],
+                            stage_rows=self.config.block_rows)
+        return BlockedRows(source, self.config.block_rows) if blocked else source
+
+    def teacher_source(self, named: dict):
+        if "teacher" in named:
+            return Rows(named["teacher"])
+        source = LinearRows(named["teacher_hidden"], named["teacher_weight"],
+                            named["teacher_bias"])
+        return BlockedRows(source, self.config.teacher_block_rows)
+
+    def path(self, named: dict, blocked: bool, teacher_rows=None):
+        student = self.student_source(named, blocked)
+        if self.sparse:
+            if teacher_rows is None:
+                teacher_rows = _given_rows(named)
+            return SparsePath(self.config, student, teacher_rows, named["labels"]), student
+        return DensePath(self.config, student, self.teacher_source(named),
+                         named["labels"]), student
+
+
+class _Slice(NamedTuple):
+    indices: torch.Tensor
+    logprobs: torch.Tensor
+    rest_logprob: torch.Tensor
+
+
+def _given_rows(named):
+    indices, logprobs, rest = named["indices"], named["logprobs"], named["rest"]
+
+    def rows(start, stop):
+        if indices is None:  # backward: the saved columns serve
+            return None
+        return _Slice(indices[start:stop], logprobs[start:stop], rest[start:stop])
+
+    return rows
+
+
+class RowLoss(torch.autograd.Function):
+    """``(call, *tensors) -> (kd [n], ce [n])`` float32; the gradient is written in backward
+    from saved per-row statistics (a second pass over the chunks)."""
+
+    @staticmethod
+    def forward(ctx, call: Call, *tensors):
+        named = dict(zip(call.names, tensors, strict=True))
+        path, _ = call.path(named, blocked=False)
+        rows = sweep_forward(path, call.count, call.config.rows_per_chunk)
+        kd = rows.pop("kd", None)
+        ce = rows.pop("ce", None)
+        kd = torch.zeros(call.count, device=_device(tensors)) if kd is None else kd
+        ce = torch.zeros_like(kd) if ce is None else ce
+        keep = [name for name in call.names if name not in ("indices", "logprobs", "rest")]
+        ctx.call, ctx.keys, ctx.kept = call, tuple(rows), tuple(keep)
+        ctx.save_for_backward(*(named[n] for n in keep), *rows.values())
+        return kd, ce
+
+    @staticmethod
+    def backward(ctx, g_kd, g_ce):
+        call = ctx.call
+        saved = ctx.saved_tensors
+        named = dict.fromkeys(call.names)
+        named.update(zip(ctx.kept, saved[:len(ctx.kept)], strict=True))
+        rows = dict(zip(ctx.keys, saved[len(ctx.kept):], strict=True))
+        path, student = call.path(named, blocked=False, teacher_rows=lambda *_: None)
+        needs = ctx.needs_input_grad[1:1 + len(call.student)]
+        sink = student.gradient(needs)
+        g_ce = torch.zeros_like(g_kd) if g_ce is None else g_ce
+        g_kd = torch.zeros_like(g_ce) if g_kd is None else g_kd
+        sweep_backward(path, call.count, call.config.rows_per_chunk, rows, g_kd, g_ce, sink)
+        grads = sink.result()
+        return (None, *grads, *(None,) * (len(call.names) - len(grads)))
+
+
+class ScalarLoss(torch.autograd.Function):
+    """``(call, weights, teacher_rows, *tensors) -> (loss, kd, ce)`` scalars: ``loss = sum
+    w_kd * kd_rows + sum w_ce * ce_rows`` with the gradients computed in the same pass and
+    saved; backward scales them by the upstream gradient (new tensors, so a second backward
+    sees the same values). ``kd``/``ce`` are the parts for logging (non-differentiable)."""
+
+    @staticmethod
+    def forward(ctx, call: Call, weights, teacher_rows, *tensors):
+        # weights: per-row (KD, CE) reduction weights: mask / count for "mean"
+        named = dict(zip(call.names, tensors, strict=True))
+        path, student = call.path(named, blocked=True, teacher_rows=teacher_rows)
+        sink = student.gradient(ctx.needs_input_grad[3:3 + len(call.student)])
+        cfg = call.config
+        upstream = (weights[0] * cfg.kd_weight, weights[1] * cfg.ce_weight)
+        rows = sweep_forward(path, call.count, cfg.rows_per_chunk, sink, upstream)
+        device = _device(tensors)
+        parts = []
+        for key, weight in zip(("kd", "ce"), weights, strict=True):
+            values = rows.get(key)
+            if values is None:
+                parts.append(torch.zeros((), device=device))
+            else:
+                parts.append(torch.where(weight != 0, values * weight, 0.0).sum())
+        loss = cfg.kd_weight * parts[0] + cfg.ce_weight * parts[1]
+        accumulators = sink.accumulators()
+        inputs = student.source.inputs if isinstance(student, BlockedRows) else student.inputs
+        ctx.likes = [None if a is None else (x.dtype, x.shape)
+                     for a, x in zip(accumulators, inputs, strict=True)]
+        ctx.save_for_backward(*(a for a in accumulators if a is not None))
+        ctx.count = len(call.names)
+        ctx.mark_non_differentiable(parts[0], parts[1])
+        return loss, parts[0], parts[1]
+
+    @staticmethod
+    def backward(ctx, grad, _kd, _ce):
+        saved = iter(ctx.saved_tensors)
+        unit = bool(grad == 1)
+        grads = []
+        for like in ctx.likes:
+            if like is None:
+                grads.append(None)
+                continue
+            acc = next(saved)
+            out = acc if unit else acc * grad.to(acc.dtype)
+            # a new tensor either way: the accumulators stay as they are for another backward
+            out = out.clone() if out is acc and acc.dtype == like[0] else out.to(like[0])
+            grads.append(out.view(like[1]))
+        return (None, None, None, *grads, *(None,) * (ctx.count - len(grads)))
+
+
+def _device(tensors) -> torch.device:
+    return next(t.device for t in tensors if isinstance(t, torch.Tensor))

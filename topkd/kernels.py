@@ -1,0 +1,177 @@
+"""Per-chunk math: plain functions of one chunk of rows, with no collectives and no host syncs.
+
+Each takes the chunk as it comes from its source (``low``, ``[r, W]`` in the logits' own dtype)
+or the float32 buffer made from it, plus per-row statistics, and returns float32 results. The
+engine (:mod:`topkd.engine`) drives them chunk by chunk and does every collective in between.
+These functions are the seam for compiled kernels: nothing in them depends on the device.
+
+Everything is computed relative to row maxima: softmax is rebuilt from the row max and the
+centered sums, never as ``exp(a - A)`` with a rounded absolute log-normalizer ``A``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def widen(low: torch.Tensor, spare: int = 0) -> torch.Tensor:
+    """``low`` copied into a new float32 buffer with ``spare`` extra (uninitialized) columns."""
+    out = torch.empty(low.shape[0], low.shape[1] + spare, dtype=torch.float32, device=low.device)
+    out[:, :low.shape[1]].copy_(low)
+    return out
+
+
+def logits_(z: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """The model's logits from the raw product, in place: ``softcap * tanh(scale * z /
+    softcap)`` (Gemma's final softcapping, Cohere's logit scale); identity by default."""
+    if softcap is None:
+        return z.mul_(scale) if scale != 1.0 else z
+    return z.mul_(scale / softcap).tanh_().mul_(softcap)
+
+
+def logits_grad_(grad: torch.Tensor, low: torch.Tensor, scale: float,
+                 softcap: float | None) -> torch.Tensor:
+    """``grad`` (w.r.t. the transformed logits, ``[r, >= W]``) times the transform's derivative
+    at the raw chunk ``low`` ``[r, W]``, in place on its first W columns."""
+    if softcap is None:
+        return grad.mul_(scale) if scale != 1.0 else grad
+    t = widen(low).mul_(scale / softcap).tanh_()
+    grad[:, :low.shape[1]].mul_(t.mul_(t).neg_().add_(1.0).mul_(scale))
+    return grad
+
+
+def read(low: torch.Tensor, temperature: float, scale: float = 1.0, softcap=None,
+         spare: int = 0, label_columns: torch.Tensor | None = None):
+    """``(a, z_label)``: the float32 buffer ``a = logits / T`` of a chunk (``spare`` extra
+    columns, set to -inf) and, with ``label_columns`` ``[r]``, each row's logit at its label
+    column at temperature 1 (-inf where the column is the spare one)."""
+    a = logits_(widen(low, spare), scale, softcap)
+    if spare:
+        a[:, low.shape[1]:] = NEG_INF
+    label = None if label_columns is None else a.gather(1, label_columns[:, None])[:, 0]
+    if temperature != 1.0:
+        a.div_(temperature)
+    return a, label
+
+
+def log_normalizer(z: torch.Tensor):
+    """``(max, centered sum)`` of each row of ``z`` (max 0 where a row is all -inf or empty);
+    ``z`` is left unchanged."""
+    if z.shape[1] == 0:
+        return (torch.full((z.shape[0],), NEG_INF, device=z.device),
+                torch.zeros(z.shape[0], device=z.device))
+    m = z.amax(-1)
+    return m, torch.exp(z - finite_or_zero(m)[:, None]).sum(-1)
+
+
+# ---- Top-K / sparse teacher: the student's statistics at the kept columns and over the rest
+
+
+def sparse_statistics(a: torch.Tensor, columns: torch.Tensor):
+    """This shard's ``(selected values [r, K], ghost max [r], ghost centered sum [r])``.
+
+    ``a`` ``[r, W + 1]`` (last column -inf) is consumed: it is left holding
+    ``exp(a_j - ghost max)`` on the ghost entries and 0 on the kept ones. ``columns``
+    ``[r, K]`` points at each kept index's column here, or at the spare column."""
+    selected = a.gather(1, columns)
+    a.scatter_(1, columns, NEG_INF)
+    rest_max = a.amax(dim=-1)
+    rest_sum = a.sub_(finite_or_zero(rest_max)[:, None]).exp_().sum(-1)
+    return selected, rest_max, rest_sum
+
+
+def sparse_gradient_(a, columns, row_max, total, rest_max, rest_sum, selected, grad_sel,
+                     grad_norm, grad_rest, temperature, exp_max=None):
+    """Overwrite ``a`` with ``d loss / d (logits)`` for the chunk (the spare column is junk).
+
+    With ``M``/``S`` the global row max and centered sum, ``M_g``/``S_g`` those of the ghost:
+
+        ghost entry j:  da_j = exp(a_j - M_g) * (gA * exp(M_g - M) / S + g_rest / S_g)
+        kept entry i:   da_i = gA * exp(a_i - M) / S + g_sel_i
+
+    and ``dz = da / T``; ``grad_norm`` is ``gA``, the gradient of the log-normalizer. ``a`` is
+    the chunk's ``z / T`` or, with ``exp_max`` ``[r]``, what :func:`sparse_statistics` left in
+    it (``exp(a_j - exp_max)`` on this shard's ghost entries)."""
+    has_rest = rest_sum > 0
+    ghost = grad_norm * torch.exp(rest_max - row_max) / total
+    ghost = ghost + torch.where(has_rest, grad_rest / rest_sum.clamp_min(1e-38), 0.0)
+    ghost = torch.where(has_rest, ghost, 0.0) / temperature
+    rest_max = finite_or_zero(rest_max)
+    if exp_max is None:
+        a.sub_(rest_max[:, None]).exp_().mul_(ghost[:, None])
+    else:  # exp(a_j - M_g) = exp(a_j - exp_max) * exp(exp_max - M_g), the factor <= 1
+        a.mul_((ghost * torch.exp(finite_or_zero(exp_max) - rest_max))[:, None])
+    kept = torch.exp(selected - row_max[:, None])
+    kept.mul_((grad_norm / total)[:, None]).add_(grad_sel).div_(temperature)
+    a.scatter_(1, columns, kept)
+    return a
+
+
+# ---- full vocabulary: student and teacher chunks side by side
+
+
+def dense_statistics(a: torch.Tensor, b: torch.Tensor):
+    """``(maxima [r, 2], sums [r, 2], ea, eb)`` of this shard: each row's max of ``a`` and ``b``
+    and their sums of ``exp(x - max)``, which ``ea``/``eb`` hold. ``a`` and ``b`` are
+    centered on their maxima in place."""
+    maxima, sums, exps = [], [], []
+    for x in (a, b):
+        if x.shape[1] == 0:  # a shard that is all vocabulary padding
+            m = torch.full((x.shape[0],), NEG_INF, device=x.device)
+        else:
+            m = x.amax(-1)
+        e = x.sub_(finite_or_zero(m)[:, None]).exp()
+        maxima.append(m)
+        sums.append(e.sum(-1))
+        exps.append(e)
+    return torch.stack(maxima, -1), torch.stack(sums, -1), exps[0], exps[1]
+
+
+def dense_terms(divergence, a, b, ea, eb, log_shift, scale):
+    """``(f row sums, h row sums, p, h)`` for the chunk.
+
+    ``a``/``b`` are centered on this shard's maxima and ``ea``/``eb`` their exponentials (as
+    :func:`dense_statistics` leaves them); ``log_shift`` ``[r, 2]`` = (global max - shard max)
+    + log of the global sum, and ``scale`` ``[r, 2]`` = exp(shard max - global max) / global sum,
+    so ``log p = a - log_shift[:, 0]`` and ``p = ea * scale[:, 0]`` (likewise ``q``). All four
+    buffers are consumed."""
+    logp = a.sub_(log_shift[:, :1])
+    logq = b.sub_(log_shift[:, 1:])
+    p = ea.mul_(scale[:, :1])
+    q = eb.mul_(scale[:, 1:])
+    f, h = divergence.terms(logp, logq, p, q)
+    return f.sum(-1), h.sum(-1), p, h
+
+
+def dense_gradient_(p, h, h_sum, grad_kd, grad_norm_ce, temperature):
+    """``d loss / d (logits)`` into ``h``: ``(g_kd * (h - p * sum h) + g_ce * p) / T``, the
+    divergence's ``dD/da = h - p sum h`` and, folded in at temperature 1, the part of the
+    cross-entropy's gradient that comes from its log-normalizer (``grad_norm_ce``)."""
+    coef = grad_kd * h_sum - grad_norm_ce
+    h.mul_(grad_kd[:, None]).sub_(p.mul_(coef[:, None]))
+    if temperature != 1.0:
+        h.div_(temperature)
+    return h
+
+
+# ---- the hard-label term
+
+
+def softmax_part_(grad: torch.Tensor, z: torch.Tensor, z_max, z_sum, weight) -> torch.Tensor:
+    """``grad += weight * exp(z - z_max) / z_sum`` on ``z``'s columns (``z`` is consumed):
+    the cross-entropy's normalizer gradient at temperature 1 when the KD term runs at T != 1."""
+    coef = (weight / z_sum.clamp_min(1e-38))[:, None]
+    grad[:, :z.shape[1]].add_(z.sub_(finite_or_zero(z_max)[:, None]).exp_().mul_(coef))
+    return grad
+
+
+def label_part_(grad: torch.Tensor, label_columns: torch.Tensor, weight) -> torch.Tensor:
+    """``grad[r, label_r] -= weight_r``: the cross-entropy's gradient at the label's logit
+    (labels on another rank, or ignored, point at a spare column the caller drops)."""
+    return grad.scatter_add_(1, label_columns[:, None], -weight[:, None])
