@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
+from .kernels import finite_or_zero
+
 _NEG_INF = float("-inf")
 
 
@@ -35,9 +38,10 @@ def _weighted(weight: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.where(dead, 0.0, weight * torch.where(dead, 0.0, value))
 
 
-def _times_(value: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``value *= weight`` in place, exactly 0 where the weight is 0 (no autograd)."""
-    return value.mul_(weight).masked_fill_(weight == 0, 0.0)
+def _times(value: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``value *= weight`` in place, for :meth:`Divergence.terms`: where the weight is 0 and
+    the value infinite the NaN this gives is counted as 0 by the engine."""
+    return value.mul_(weight)
 
 
 def kl_terms(log_w: torch.Tensor, log_o: torch.Tensor) -> torch.Tensor:
@@ -71,8 +75,9 @@ class Divergence:
     """Base class: ``D(q, p) = sum_j f(log p_j, log q_j)`` over the buckets it is given."""
 
     name = "divergence"
-    # Float32 chunk-sized buffers :meth:`terms` may hold at once (for the chunk budget).
-    buffers = 6
+    # Float32 chunk-sized buffers the full-vocabulary math holds at once (the chunk budget):
+    # the two chunks, their exponentials and what :meth:`terms` makes.
+    buffers = 7
 
     def pointwise(self, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
         """Elementwise ``f`` of float32 log-probabilities (``-inf`` for zero mass)."""
@@ -92,6 +97,26 @@ class Divergence:
             (h,) = torch.autograd.grad(f.sum(), lp)
         return f.detach(), h
 
+    # The full-vocabulary math per chunk, driven by topkd.engine.DensePath: statistics of this
+    # shard, the terms once the normalizers are global, the gradient. These defaults use
+    # :meth:`terms`; a divergence may override them to need fewer passes (see _CenteredKL).
+
+    def dense_statistics(self, a, b):
+        """``(maxima [r, 2], sums [r, 2], state)`` of the chunks ``a = z/T``, ``b = t/T``."""
+        return kernels.dense_statistics(a, b)
+
+    def dense_terms(self, state, log_shift, scale):
+        """``(D row sums, h row sums, gradient state)`` (see :func:`kernels.dense_terms`)."""
+        return kernels.dense_terms(self, state, log_shift, scale)
+
+    def dense_refresh(self, a, b, row_max, row_sum):
+        """The gradient state of fresh chunks from the global row maxima and sums (backward)."""
+        return kernels.dense_refresh(self, a, b, row_max, row_sum)
+
+    def dense_gradient(self, state, h_sum, grad_kd, grad_norm_ce, temperature):
+        """The chunk's ``d loss / d (logits)`` (see :func:`kernels.dense_gradient_`)."""
+        return kernels.dense_gradient_(state, h_sum, grad_kd, grad_norm_ce, temperature)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -102,30 +127,87 @@ class Divergence:
         return hash(repr(self))
 
 
-class KL(Divergence):
+class _CenteredKL(Divergence):
+    """KL in either direction over the whole vocabulary in the passes of the plain KL: the
+    terms are sums of ``exp(w) * (w - o)`` over the chunks centered on their maxima, so the
+    exponentials are taken in place and no normalized log-probabilities are made."""
+
+    buffers = 4
+    teacher_weighted = True  # KL(q || p): the teacher's q weights the terms
+
+    def _columns(self):
+        return (1, 0) if self.teacher_weighted else (0, 1)
+
+    def dense_statistics(self, a, b):
+        maxima = kernels.center_(a, b)
+        w, o = (b, a) if self.teacher_weighted else (a, b)
+        diff = w - o
+        a.exp_()
+        b.exp_()
+        sums = torch.stack([a.sum(-1), b.sum(-1)], -1)
+        return maxima, sums, (a, b, diff, sums)
+
+    def dense_terms(self, state, log_shift, scale):
+        ea, eb, diff, sums = state
+        w, o = self._columns()
+        e_w = (ea, eb)[w]
+        # sum_j w_j (log w_j - log o_j), w_j = e_w * scale_w, log w_j = c_w - log_shift_w;
+        # the reverse direction's gradient needs a - b again, so it keeps diff
+        product = diff.mul_(e_w) if self.teacher_weighted else diff * e_w
+        weighted = product.nan_to_num_(0.0, float("inf"), _NEG_INF).sum(-1)
+        offset = torch.where(sums[:, w] > 0, log_shift[:, o] - log_shift[:, w], 0.0)
+        f_sum = scale[:, w] * (weighted + offset * sums[:, w])
+        f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), f_sum)
+        mass = scale * sums  # this shard's share of p and q
+        # h = -q for KL(q || p); h = p (log p - log q) + p for KL(p || q)
+        h_sum = -mass[:, 1] if self.teacher_weighted else f_sum + mass[:, 0]
+        return f_sum, h_sum, (ea, eb, log_shift, scale,
+                              None if self.teacher_weighted else diff)
+
+    def dense_refresh(self, a, b, row_max, row_sum):
+        row_max = finite_or_zero(row_max)
+        a.sub_(row_max[:, :1])
+        b.sub_(row_max[:, 1:])
+        diff = None if self.teacher_weighted else a - b
+        return (a.exp_(), b.exp_(), row_sum.log(), 1 / row_sum, diff)
+
+    def dense_gradient(self, state, h_sum, grad_kd, grad_norm_ce, temperature):
+        ea, eb, log_shift, scale, diff = state
+        # dD/da = h - p sum h, with p = ea * scale_p and q = eb * scale_q
+        coef = (grad_kd * h_sum - grad_norm_ce) / temperature
+        if self.teacher_weighted:  # h = -q
+            ea.mul_((-coef * scale[:, 0])[:, None])
+            return ea.sub_(eb.mul_((grad_kd * scale[:, 1] / temperature)[:, None]))
+        # h = p (log p - log q + 1), log p - log q = (a - b) + log_shift_q - log_shift_p
+        row = grad_kd * (log_shift[:, 1] - log_shift[:, 0] + 1) / temperature - coef
+        diff.mul_((grad_kd / temperature)[:, None]).add_(row[:, None])
+        grad = ea.mul_(scale[:, :1]).mul_(diff)
+        return grad.nan_to_num_(0.0, float("inf"), _NEG_INF)
+
+
+class KL(_CenteredKL):
     """``KL(q || p) = sum q (log q - log p)``: forward KL, the teacher as the target."""
 
     name = "kl"
-    buffers = 4
 
     def pointwise(self, logp, logq):
         return kl_terms(logq, logp)
 
     def terms(self, logp, logq, p, q):
-        return _times_(logq.sub_(logp), q), q.neg_()
+        return _times(logq.sub_(logp), q), q.neg_()
 
 
-class ReverseKL(Divergence):
+class ReverseKL(_CenteredKL):
     """``KL(p || q) = sum p (log p - log q)``: reverse KL, mode-seeking."""
 
     name = "reverse_kl"
-    buffers = 4
+    teacher_weighted = False
 
     def pointwise(self, logp, logq):
         return kl_terms(logp, logq)
 
     def terms(self, logp, logq, p, q):
-        f = _times_(logp.sub_(logq), p)
+        f = _times(logp.sub_(logq), p)
         return f, f + p
 
 
@@ -162,8 +244,8 @@ class JSD(Divergence):
         if beta == 1.0:
             return ReverseKL().terms(logp, logq, p, q)
         logm = torch.add(q * beta, p, alpha=1 - beta).log_()
-        h = _times_(logp.sub_(logm), p).mul_(1 - beta)  # (1 - beta) p (log p - log M)
-        f = _times_(logq.sub_(logm), q).mul_(beta).add_(h)
+        h = _times(logp.sub_(logm), p).mul_(1 - beta)  # (1 - beta) p (log p - log M)
+        f = _times(logq.sub_(logm), q).mul_(beta).add_(h)
         return f, h
 
 
@@ -186,7 +268,7 @@ class SkewKL(Divergence):
     def terms(self, logp, logq, p, q):
         alpha = self.alpha
         m = torch.add(q * alpha, p, alpha=1 - alpha)
-        f = _times_(logq.sub_(m.log()), q)
+        f = _times(logq.sub_(m.log()), q)
         # p * df/dp = -(1 - alpha) p q / M (0 where M = 0: then p q = 0 too)
         h = q.mul_(p).div_(m).mul_(alpha - 1).masked_fill_(m == 0, 0.0)
         return f, h
@@ -212,7 +294,7 @@ class SkewReverseKL(Divergence):
     def terms(self, logp, logq, p, q):
         alpha = self.alpha
         m = torch.add(p * alpha, q, alpha=1 - alpha)
-        f = _times_(logp.sub_(m.log()), p)
+        f = _times(logp.sub_(m.log()), p)
         # p * df/dp = p (log p - log M) + p - alpha p^2 / M (p^2 / M = 0 where M = 0)
         ratio = (p * p).div_(m).masked_fill_(m == 0, 0.0)
         return f, ratio.mul_(-alpha).add_(p).add_(f)

@@ -265,7 +265,7 @@ class DensePath:
 
     @staticmethod
     def buffers(cfg: Config, labels) -> int:
-        return (2 + cfg.divergence.buffers + (labels is not None and cfg.temperature != 1.0)
+        return (cfg.divergence.buffers + (labels is not None and cfg.temperature != 1.0)
                 + (cfg.softcap is not None))
 
     def _read(self, start, stop, label_columns):
@@ -285,7 +285,8 @@ class DensePath:
         if labels.labels is not None and not labels.folded:
             ce_norm = kernels.log_normalizer(
                 kernels.logits_(kernels.widen(low), cfg.logit_scale, cfg.softcap))
-        local_max, local_sum, ea, eb = kernels.dense_statistics(a, b)
+        div = cfg.divergence
+        local_max, local_sum, state = div.dense_statistics(a, b)
 
         # combine 1: maxima (student, teacher, label logit, CE max) and sums
         maxima = [local_max] + ([] if z_label is None else [z_label[:, None]])
@@ -294,9 +295,8 @@ class DensePath:
         maxima, sums = _combine_dense(torch.cat(maxima, -1), torch.cat(sums, -1), cfg.group)
         row_max, row_sum = maxima[:, :2], sums[:, :2]
         shift = finite_or_zero(row_max) - finite_or_zero(local_max)
-        f_sum, h_sum, p, h = kernels.dense_terms(cfg.divergence, a, b, ea, eb,
-                                                 shift + row_sum.log(),
-                                                 torch.exp(-shift) / row_sum)
+        f_sum, h_sum, state = div.dense_terms(state, shift + row_sum.log(),
+                                              torch.exp(-shift) / row_sum)
         # combine 2: the divergence's row sums
         kd, h_sum = _combine_sum(torch.stack([f_sum, h_sum], -1), cfg.group).unbind(-1)
         rows = {"row_max": row_max, "row_sum": row_sum, "h_sum": h_sum, "kd": kd}
@@ -307,24 +307,20 @@ class DensePath:
             else:
                 rows["ce_max"], rows["ce_sum"] = maxima[:, 3], sums[:, 2]
                 rows["ce"] = _ce_rows(has, rows["ce_max"], rows["ce_sum"], maxima[:, 2])
-        return (low, p, h, label_columns), rows
+        return (low, state, label_columns), rows
 
     def refresh(self, start, stop, rows):
-        cfg = self.cfg
         low, a, b, _ = self._read(start, stop, None)
-        row_max, row_sum = finite_or_zero(rows["row_max"]), rows["row_sum"]
-        a.sub_(row_max[:, :1])
-        b.sub_(row_max[:, 1:])
-        _, _, p, h = kernels.dense_terms(cfg.divergence, a, b, a.exp(), b.exp(),
-                                         row_sum.log(), 1 / row_sum)
-        return (low, p, h, self.labels.columns(start, stop))
+        state = self.cfg.divergence.dense_refresh(a, b, rows["row_max"], rows["row_sum"])
+        return (low, state, self.labels.columns(start, stop))
 
     def gradient(self, state, rows, g_kd, g_ce):
         cfg = self.cfg
-        low, p, h, label_columns = state
+        low, state, label_columns = state
         folded = g_ce if (self.labels.labels is not None and self.labels.folded) else \
             torch.zeros_like(g_kd)
-        grad = kernels.dense_gradient_(p, h, rows["h_sum"], g_kd, folded, cfg.temperature)
+        grad = cfg.divergence.dense_gradient(state, rows["h_sum"], g_kd, folded,
+                                             cfg.temperature)
         self.labels.gradient_(grad, low, label_columns, rows, g_ce)
         return kernels.logits_grad_(grad, low, cfg.logit_scale, cfg.softcap)
 

@@ -116,43 +116,63 @@ def sparse_gradient_(a, columns, row_max, total, rest_max, rest_sum, selected, g
 # ---- full vocabulary: student and teacher chunks side by side
 
 
-def dense_statistics(a: torch.Tensor, b: torch.Tensor):
-    """``(maxima [r, 2], sums [r, 2], ea, eb)`` of this shard: each row's max of ``a`` and ``b``
-    and their sums of ``exp(x - max)``, which ``ea``/``eb`` hold. ``a`` and ``b`` are
-    centered on their maxima in place."""
-    maxima, sums, exps = [], [], []
+def center_(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """This shard's row maxima ``[r, 2]`` of ``a`` and ``b`` (-inf for an empty or all -inf
+    row); both are centered on them in place (on 0 where the max is -inf)."""
+    maxima = []
     for x in (a, b):
         if x.shape[1] == 0:  # a shard that is all vocabulary padding
             m = torch.full((x.shape[0],), NEG_INF, device=x.device)
         else:
             m = x.amax(-1)
-        e = x.sub_(finite_or_zero(m)[:, None]).exp()
+        x.sub_(finite_or_zero(m)[:, None])
         maxima.append(m)
-        sums.append(e.sum(-1))
-        exps.append(e)
-    return torch.stack(maxima, -1), torch.stack(sums, -1), exps[0], exps[1]
+    return torch.stack(maxima, -1)
 
 
-def dense_terms(divergence, a, b, ea, eb, log_shift, scale):
-    """``(f row sums, h row sums, p, h)`` for the chunk.
+def dense_statistics(a: torch.Tensor, b: torch.Tensor):
+    """``(maxima [r, 2], sums [r, 2], state)`` of this shard: each row's max of ``a`` and ``b``
+    and their sums of ``exp(x - max)``; ``state`` = ``(a, b, ea, eb)``, the centered chunks and
+    their exponentials, for :func:`dense_terms`."""
+    maxima = center_(a, b)
+    ea, eb = a.exp(), b.exp()
+    return maxima, torch.stack([ea.sum(-1), eb.sum(-1)], -1), (a, b, ea, eb)
 
-    ``a``/``b`` are centered on this shard's maxima and ``ea``/``eb`` their exponentials (as
-    :func:`dense_statistics` leaves them); ``log_shift`` ``[r, 2]`` = (global max - shard max)
-    + log of the global sum, and ``scale`` ``[r, 2]`` = exp(shard max - global max) / global sum,
-    so ``log p = a - log_shift[:, 0]`` and ``p = ea * scale[:, 0]`` (likewise ``q``). All four
-    buffers are consumed."""
+
+def dense_terms(divergence, state, log_shift, scale):
+    """``(f row sums, h row sums, (p, h))`` of a divergence's :meth:`terms` for the chunk.
+
+    ``state`` is :func:`dense_statistics`'s (consumed); ``log_shift`` ``[r, 2]`` = (global max
+    - shard max) + log of the global sum, and ``scale`` ``[r, 2]`` = exp(shard max - global
+    max) / global sum, so ``log p = a - log_shift[:, 0]`` and ``p = ea * scale[:, 0]`` (likewise
+    ``q``). A term whose weight is 0 comes out of :meth:`terms` as ``0 * inf = NaN`` and counts
+    0; a NaN in the inputs still reaches the loss through the row statistics."""
+    a, b, ea, eb = state
     logp = a.sub_(log_shift[:, :1])
     logq = b.sub_(log_shift[:, 1:])
     p = ea.mul_(scale[:, :1])
     q = eb.mul_(scale[:, 1:])
     f, h = divergence.terms(logp, logq, p, q)
-    return f.sum(-1), h.sum(-1), p, h
+    inputs_nan = torch.isnan(log_shift).any(-1)
+    f_sum = torch.where(inputs_nan, float("nan"), f.nan_to_num_(0.0, float("inf"),
+                                                                 NEG_INF).sum(-1))
+    return f_sum, h.nan_to_num_(0.0, float("inf"), NEG_INF).sum(-1), (p, h)
 
 
-def dense_gradient_(p, h, h_sum, grad_kd, grad_norm_ce, temperature):
-    """``d loss / d (logits)`` into ``h``: ``(g_kd * (h - p * sum h) + g_ce * p) / T``, the
+def dense_refresh(divergence, a, b, row_max, row_sum):
+    """:func:`dense_terms`' gradient state for fresh chunks ``a``/``b`` from the saved global
+    row maxima and sums ``[r, 2]`` (backward)."""
+    row_max = finite_or_zero(row_max)
+    a.sub_(row_max[:, :1])
+    b.sub_(row_max[:, 1:])
+    return dense_terms(divergence, (a, b, a.exp(), b.exp()), row_sum.log(), 1 / row_sum)[2]
+
+
+def dense_gradient_(state, h_sum, grad_kd, grad_norm_ce, temperature):
+    """``d loss / d (logits)`` ``(g_kd * (h - p * sum h) + g_ce * p) / T`` into ``h``: the
     divergence's ``dD/da = h - p sum h`` and, folded in at temperature 1, the part of the
     cross-entropy's gradient that comes from its log-normalizer (``grad_norm_ce``)."""
+    p, h = state
     coef = grad_kd * h_sum - grad_norm_ce
     h.mul_(grad_kd[:, None]).sub_(p.mul_(coef[:, None]))
     if temperature != 1.0:
