@@ -537,27 +537,39 @@ def _peak_not_counting(fn, allowed):
     return peak, raw
 
 
-@pytest.mark.parametrize("loss,teacher,rows,chunk_bytes", [
-    ("topk", "logits", MEM_ROWS, None), ("topk", "pair", MEM_ROWS, 1 << 20),
+@pytest.mark.parametrize("loss,teacher,rows,chunk_bytes,options", [
+    ("topk", "logits", MEM_ROWS, None, {}), ("topk", "pair", MEM_ROWS, 1 << 20, {}),
     # small batches: blocks of fewer than 64 rows take the float32 weight-product path
-    ("topk", "logits", 128, None), ("topk", "pair", 128, None), ("kl", "pair", 128, None),
-    ("kl", "pair", MEM_ROWS, None), ("kl", "transposed", 256, None),
+    ("topk", "logits", 128, None, {}), ("topk", "pair", 128, None, {}),
+    ("kl", "pair", 128, None, {}), ("kl", "pair", MEM_ROWS, None, {}),
+    ("kl", "transposed", 256, None, {}),
+    # the divergence family and the CE term (at T != 1 its own normalizer), with a softcap
+    ("kl", "pair", MEM_ROWS, None, {"divergence": "jsd", "ce_weight": 0.5, "temperature": 2.0,
+                                    "softcap": 30.0}),
+    ("kl", "pair", MEM_ROWS, None, {"divergence": "tvd"}),
+    ("topk", "logits", MEM_ROWS, None, {"divergence": "skew_reverse_kl", "ce_weight": 1.0}),
 ], ids=["topk-logits", "topk-pair-chunk1MiB", "topk-logits-128", "topk-pair-128",
-        "kl-pair-128", "kl-pair", "kl-transposed-256"])
-def test_peak_memory_bound(loss, teacher, rows, chunk_bytes):
+        "kl-pair-128", "kl-pair", "kl-transposed-256", "jsd-ce-softcap-pair", "tvd-pair",
+        "skew_reverse_kl-ce-logits"])
+def test_peak_memory_bound(loss, teacher, rows, chunk_bytes, options):
     """Peak bytes above the inputs during forward + backward, not counting the returned
     gradients and one float32 accumulator of the weight's shape, <= 0.25 x the bytes of the
     student logits [rows, V] in bf16 (issue 3). K / V as at SPEC 4's shape (4,096 / 248,320)."""
     h, w, b, t = _memory_inputs(teacher, rows)
     hidden = h.view(t.shape[0], t.shape[1], MEM_H) if teacher == "transposed" else h
+    options = dict(options)
+    if "ce_weight" in options:
+        options["labels"] = torch.randint(0, MEM_V, hidden.shape[:-1],
+                                          generator=torch.Generator().manual_seed(2))
 
     def step():
         if loss == "topk":
             out = topkd.fused_topk_kl_loss(hidden, w, t, MEM_K, bias=b,
-                                           chunk_bytes=chunk_bytes, reduction="mean")
+                                           chunk_bytes=chunk_bytes, reduction="mean",
+                                           **options)
         else:
             out = topkd.fused_kl_loss(hidden, w, t, bias=b, chunk_bytes=chunk_bytes,
-                                      reduction="mean")
+                                      reduction="mean", **options)
         out.backward()
 
     sizes = [h.numel() * 2, w.numel() * 2, b.numel() * 2]  # the returned bf16 gradients

@@ -60,6 +60,33 @@ def test_peak_memory_bound(name, chunk):
     assert ratio >= 1.0, f"{name}: peak {ratio:.3f} x logits is below the gradient's size"
 
 
+@pytest.mark.parametrize("loss,divergence,ce", [
+    *(("kl_loss", d, True) for d in ("kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl",
+                                     "tvd")),
+    ("kl_loss", "tvd", False), ("kl_loss", "jsd", False),
+    ("topk_kl_loss", "jsd", True), ("topk_kl_loss", "tvd", False),
+])
+def test_peak_memory_bound_every_divergence(loss, divergence, ce):
+    """The bound holds for every divergence, with and without the CE term, at the default
+    chunk size (T != 1 so the CE term keeps its own normalizer)."""
+    s, t = _inputs()
+    options = {"divergence": divergence, "temperature": 2.0, "reduction": "mean"}
+    if ce:
+        labels = torch.randint(0, VOCAB, (ROWS,), generator=torch.Generator().manual_seed(1))
+        options.update(labels=labels, ce_weight=0.5)
+
+    def step():
+        if loss == "topk_kl_loss":
+            out = topkd.topk_kl_loss(s, t, K, **options)
+        else:
+            out = topkd.kl_loss(s, t, **options)
+        out.backward()
+
+    ratio = _peak_above_start(step) / (s.numel() * s.element_size())
+    print(f"{loss} {divergence} ce={ce}: {ratio:.3f} x")
+    assert 1.0 <= ratio <= BOUND, f"{loss} {divergence} ce={ce}: {ratio:.3f} x logits"
+
+
 def test_naive_implementation_exceeds_bound():
     """The measurement itself: a plain float32 log_softmax KL must show several copies."""
     s, t = _inputs()

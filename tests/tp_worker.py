@@ -4,6 +4,8 @@ Each rank builds the same full inputs from a fixed seed, computes the one-proces
 locally (process_group=None) and the tensor-parallel result on its contiguous vocabulary
 shard, and compares: the loss within 1e-6 relative (and bit-identical on every rank), the
 gradient shard allclose to its slice of the one-process gradient, select_topk outputs equal.
+The objective cases (JSD, TVD, skew divergences, the hard-label CE term with global labels on
+every shard) also check the (kd, ce) parts, the float64 reference and a second backward.
 """
 
 from __future__ import annotations
@@ -21,17 +23,49 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import reference  # noqa: E402
+
 import topkd  # noqa: E402
 
 LOSS_RTOL = 1e-6
+REF_RTOL = 1e-5  # SPEC 4: loss vs float64, relative (to the batch's loss scale, per row)
+REF_GRAD_TOL = 1e-5  # gradient vs float64: max err / max |reference gradient|
+# The detached (kd, ce) parts of return_components. The loss itself is held to LOSS_RTOL; a
+# part alone can be a small divergence made of cancelling float32 terms: one process's fused
+# softcapped JSD(beta=0.1) part (batch scale 0.16) is already 1.06e-6 of its scale from
+# float64, so one process and TP (each rounded so) may differ by twice that. A real TP error
+# (a missing or doubled shard) is O(1) of the scale.
+PART_RTOL = 3e-6
 
 
 def _run(fn, student, *args, view=None, grad_output=None, **kwargs):
+    """(loss, student gradient); with ``return_components=True`` the loss is the detached
+    ``LossParts(loss, kd, ce)``, backward through its ``loss``."""
     s = student.detach().clone().requires_grad_(True)
-    loss = fn(s if view is None else view(s), *args, **kwargs)
+    out = fn(s if view is None else view(s), *args, **kwargs)
+    loss = out[0] if isinstance(out, tuple) else out
     g = torch.ones_like(loss) if grad_output is None or loss.dim() == 0 else grad_output
     loss.backward(g)
+    if isinstance(out, tuple):
+        return type(out)(*(x.detach() for x in out)), s.grad
     return loss.detach(), s.grad
+
+
+def second_backward(fn, student, *args, grad_output=None, **kwargs):
+    """Backward twice through one graph (``retain_graph=True``): an error message when the
+    two gradients differ (a backward that consumed or changed saved state), else None. Every
+    rank runs the same collectives whatever the outcome."""
+    s = student.detach().clone().requires_grad_(True)
+    out = fn(s, *args, **kwargs)
+    loss = out[0] if isinstance(out, tuple) else out
+    g = torch.ones_like(loss) if grad_output is None or loss.dim() == 0 else grad_output
+    (first,) = torch.autograd.grad(loss, s, g, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, s, g)
+    if not torch.equal(first, second):
+        return (f"a second backward (retain_graph=True) gives another gradient: max diff "
+                f"{float((first - second).abs().max()):.3e}, max|g| "
+                f"{float(first.abs().max()):.3e}")
+    return None
 
 
 def _inputs(lead, width, dtype, seed):
@@ -48,7 +82,7 @@ def _same_on_all_ranks(x: torch.Tensor, group) -> bool:
     return all(torch.equal(p, parts[0]) for p in parts)
 
 
-def _compare(name, failures, loss_tp, loss_1, grad_tp, grad_1, same):
+def _compare(name, failures, loss_tp, loss_1, grad_tp, grad_1, same, rtol=LOSS_RTOL):
     """SPEC 4: TP loss within 1e-6 relative of one process, gradients allclose.
 
     Per row, 1e-6 of a row's own loss is below float32 resolution when a row's KL is small
@@ -66,12 +100,14 @@ def _compare(name, failures, loss_tp, loss_1, grad_tp, grad_1, same):
         l1 = loss_1.double()
         err = (loss_tp.double() - l1).abs()
         scale = l1.abs().mean() if l1.numel() else torch.tensor(0.0, dtype=torch.float64)
-        bound = LOSS_RTOL * torch.maximum(l1.abs(), scale) + 1e-12
+        bound = rtol * torch.maximum(l1.abs(), scale) + 1e-12
         assert torch.all(err <= bound), (
             f"loss differs from one process: max err {float(err.max()):.3e}, "
             f"max err / scale {float((err / scale.clamp_min(1e-30)).max()):.3e}\n"
             f"{loss_tp}\nvs\n{loss_1}")
         assert same, "ranks returned different losses"
+        if grad_1 is None:  # a value without a gradient (a detached loss component)
+            return
         assert grad_tp.dtype == grad_1.dtype and grad_tp.shape == grad_1.shape, (
             grad_tp.dtype, grad_tp.shape, grad_1.dtype, grad_1.shape)
         gscale = float(grad_1.abs().max()) if grad_1.numel() else 0.0
@@ -105,6 +141,108 @@ def _cases(k_small, width, vocab_size):
     return cases
 
 
+def topk_via_sparse(student, teacher, k, *, top_p=None, top_p_min_k=1, temperature=1.0,
+                    vocab_size=None, process_group=None, **opts):
+    """The offline path: ``select_topk`` of the (sharded) teacher, then ``sparse_kl_loss``
+    with the SparseTeacher's own temperature."""
+    st = topkd.select_topk(teacher, k, top_p=top_p, top_p_min_k=top_p_min_k,
+                           temperature=temperature, vocab_size=vocab_size,
+                           process_group=process_group)
+    return topkd.sparse_kl_loss(student, st, vocab_size=vocab_size, process_group=process_group,
+                                **opts)
+
+
+def labels_for(lead, sizes, vocab_size, seed):
+    """Global label ids (int64, leading shape ``lead``) shared by every rank: two
+    ``ignore_index`` rows, for every rank holding real columns a label in the middle of its
+    shard and one on its first column, the first and last real ids, the rest random."""
+    n = 1
+    for x in lead:
+        n *= x
+    v = vocab_size or sum(sizes)
+    g = torch.Generator().manual_seed(seed + 3)
+    lab = torch.randint(0, v, (n,), generator=g)
+    lab[0], lab[n - 1] = v - 1, 0
+    for r in range(len(sizes)):
+        start = sum(sizes[:r])
+        stop = min(start + sizes[r], v)
+        if stop > start:
+            lab[2 + r] = (start + stop - 1) // 2
+            lab[5 + r] = start
+    lab[1] = lab[n - 2] = -100
+    assert n >= 10 and len(sizes) <= 3
+    return lab.reshape(lead)
+
+
+def _objective_cases(k_small):
+    """Divergences beyond KL and the hard-label term (labels with ignore_index rows, on every
+    rank's shard), at T = 1 (CE folded into the KD normalizer) and T = 2 (its own); checked
+    against one process, the float64 reference and, with ``twice``, a second backward."""
+    topk, sparse, kl = topkd.topk_kl_loss, topk_via_sparse, topkd.kl_loss
+    c = dict(labels=True, return_components=True)
+    return [
+        ("topk jsd ce T=1 twice", topk,
+         dict(k=k_small, divergence="jsd", ce_weight=0.5, twice=True, **c)),
+        ("topk JSD(0.1) ce T=2 mask mean", topk,
+         dict(k=k_small, divergence=topkd.JSD(beta=0.1), ce_weight=0.3, temperature=2.0,
+              mask=True, reduction="mean", **c)),
+        ("topk tvd top_p ce T=2", topk,
+         dict(k=5, divergence="tvd", top_p=0.8, top_p_min_k=2, ce_weight=1.0,
+              temperature=2.0, **c)),
+        ("topk SkewKL(0.2) normalize=topk ce kd_weight sum", topk,
+         dict(k=k_small, divergence=topkd.SkewKL(alpha=0.2), normalize="topk", ce_weight=0.5,
+              kd_weight=0.7, reduction="sum", **c)),
+        ("topk ce only T=2 chunk_bytes=1", topk,
+         dict(k=3, kd_weight=0.0, ce_weight=1.0, temperature=2.0, chunk_bytes=1, **c)),
+        ("sparse JSD(0.1) ce T=2 chunk_bytes=1", sparse,
+         dict(k=k_small, divergence=topkd.JSD(beta=0.1), ce_weight=0.5, temperature=2.0,
+              chunk_bytes=1, **c)),
+        ("sparse skew_reverse_kl ce T=1 mask mean", sparse,
+         dict(k=k_small, divergence="skew_reverse_kl", ce_weight=1.0, mask=True,
+              reduction="mean", **c)),
+        ("sparse TVD ce T=1", sparse, dict(k=5, divergence=topkd.TVD(), ce_weight=0.3, **c)),
+        ("kl jsd ce T=1", kl, dict(divergence="jsd", ce_weight=0.5, **c)),
+        ("kl JSD(0.1) ce T=2 mask mean chunk_bytes=1", kl,
+         dict(divergence=topkd.JSD(beta=0.1), ce_weight=0.5, temperature=2.0, mask=True,
+              reduction="mean", chunk_bytes=1, **c)),
+        ("kl tvd ce T=2 twice", kl,
+         dict(divergence="tvd", ce_weight=1.0, temperature=2.0, twice=True, **c)),
+        ("kl SkewKL ce T=1 chunk_bytes=1", kl,
+         dict(divergence=topkd.SkewKL(), ce_weight=0.5, chunk_bytes=1, **c)),
+        ("kl skew_reverse_kl ce T=2 kd_weight sum", kl,
+         dict(divergence="skew_reverse_kl", ce_weight=0.5, kd_weight=2.0, temperature=2.0,
+              reduction="sum", **c)),
+    ]
+
+
+_REFERENCE = {topkd.topk_kl_loss: reference.topk_loss, topk_via_sparse: reference.topk_loss,
+              topkd.kl_loss: reference.full_loss}
+
+
+def compare_reference(name, failures, parts_tp, ref_parts, grads):
+    """The TP result against float64: the loss and its (kd, ce) parts within REF_RTOL of the
+    batch's scale (as in _compare), each gradient shard within REF_GRAD_TOL of the max of the
+    whole reference gradient. ``grads``: (label, TP shard, reference shard, max |whole
+    reference gradient|) tuples."""
+    try:
+        for what, x, r in zip(("loss", "kd", "ce"), parts_tp, ref_parts, strict=True):
+            assert x.shape == r.shape, f"{what} shape {x.shape} vs reference {r.shape}"
+            err = (x.double() - r).abs()
+            scale = r.abs().mean() if r.numel() else torch.tensor(0.0, dtype=torch.float64)
+            bound = REF_RTOL * torch.maximum(r.abs(), scale) + 1e-9
+            assert torch.all(err <= bound), (
+                f"{what} vs float64 reference: max err {float(err.max()):.3e}, max err / "
+                f"scale {float((err / scale.clamp_min(1e-30)).max()):.3e}\n{x}\nvs\n{r}")
+        for what, g, r, scale in grads:
+            assert g is not None, f"no {what} gradient"
+            e = float((g.double() - r).abs().max()) if r.numel() else 0.0
+            assert e <= REF_GRAD_TOL * scale + 1e-12, (
+                f"{what} gradient vs float64 reference: max err {e:.3e} / max|ref| "
+                f"{scale:.3e} = {e / max(scale, 1e-30):.3e} > {REF_GRAD_TOL}")
+    except AssertionError as e:
+        failures.append(f"[{name} vs reference] {e}")
+
+
 def run_layout(group, rank, width, sizes, vocab_size, failures, seed=0):
     world = dist.get_world_size(group)
     assert len(sizes) == world and sum(sizes) == width
@@ -115,17 +253,44 @@ def run_layout(group, rank, width, sizes, vocab_size, failures, seed=0):
     s, t, gout = _inputs(lead, width, torch.float32, seed)
     mask = torch.rand(*lead, generator=torch.Generator().manual_seed(seed + 1)) < 0.6
     k_small = 12  # larger than some shards: a rank may hold fewer than K candidates
+    labels = labels_for(lead, sizes, vocab_size, seed)
     vs = {} if vocab_size is None else {"vocab_size": vocab_size}
-    for name, fn, opts in _cases(k_small, width, vocab_size):
+    cases = [(c, False) for c in _cases(k_small, width, vocab_size)]
+    cases += [(c, True) for c in _objective_cases(k_small)]
+    for (name, fn, opts), check_ref in cases:
         opts = dict(opts)
         if opts.pop("mask", False):
             opts["mask"] = mask
+        if opts.pop("labels", False):
+            opts["labels"] = labels
+        twice = opts.pop("twice", False)
         args = (opts.pop("k"),) if "k" in opts else ()
         l1, g1 = _run(fn, s, t, *args, grad_output=gout, **vs, **opts)
         lt, gt = _run(fn, s[..., start:stop], t[..., start:stop], *args, grad_output=gout,
                       process_group=group, **vs, **opts)
-        same = _same_on_all_ranks(lt, group)
-        _compare(f"{tag} {name}", failures, lt, l1, gt, g1[..., start:stop], same)
+        parts_1 = tuple(l1) if isinstance(l1, tuple) else (l1,)
+        parts_t = tuple(lt) if isinstance(lt, tuple) else (lt,)
+        for i, (pt, p1) in enumerate(zip(parts_t, parts_1, strict=True)):
+            same = _same_on_all_ranks(pt, group)
+            what = ("", " (kd part)", " (ce part)")[i]
+            _compare(f"{tag} {name}{what}", failures, pt, p1, gt if i == 0 else None,
+                     g1[..., start:stop] if i == 0 else None, same,
+                     rtol=LOSS_RTOL if i == 0 else PART_RTOL)
+        if twice:
+            err = second_backward(fn, s[..., start:stop], t[..., start:stop], *args,
+                                  grad_output=gout, process_group=group, **vs, **opts)
+            if err:
+                failures.append(f"[{tag} {name}] {err}")
+        if check_ref:
+            ropts = {n: v for n, v in opts.items() if n not in ("chunk_bytes",
+                                                                  "return_components")}
+            ref_fn = _REFERENCE[fn]
+            go = gout if opts.get("reduction", "none") == "none" else None
+            rl, rg = reference.loss_and_grad(ref_fn, s, t, *args, grad_output=go, **vs,
+                                             **ropts)
+            _, rkd, rce = ref_fn(s, t, *args, return_components=True, **vs, **ropts)
+            compare_reference(f"{tag} {name}", failures, parts_t, (rl, rkd, rce), [
+                ("student", gt, rg[..., start:stop], float(rg.abs().max()))])
 
     # select_topk and sparse_kl_loss with a tensor-parallel teacher
     for k, opts in [(1, {}), (k_small, dict(top_p=0.8, top_p_min_k=3, temperature=0.8)),

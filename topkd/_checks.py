@@ -35,13 +35,18 @@ def integer(name: str, value, low: int, high: int | None = None) -> int:
     return value
 
 
-def temperature(value) -> float:
+def real(name: str, value, ok, requirement: str) -> float:
+    """``value`` as a float, if it is a real number (not a bool) for which ``ok`` holds."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"temperature must be a real number, got {value!r}")
+        raise TypeError(f"{name} must be a real number, got {value!r}")
     value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"temperature must be finite and > 0, got {value}")
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be finite and {requirement}, got {value}")
     return value
+
+
+def temperature(value) -> float:
+    return real("temperature", value, lambda x: x > 0, "> 0")
 
 
 def top_p(value, min_k) -> tuple[float | None, int]:
@@ -135,34 +140,17 @@ def chunk_bytes(value) -> int | None:
 
 def weight(name: str, value) -> float:
     """A loss weight: a finite real number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    return value
+    return real(name, value, lambda x: x >= 0, ">= 0")
 
 
 def scale(name: str, value) -> float:
     """A logit scale: a finite real number != 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value == 0:
-        raise ValueError(f"{name} must be finite and nonzero, got {value}")
-    return value
+    return real(name, value, lambda x: x != 0, "nonzero")
 
 
 def softcap(name: str, value) -> float | None:
     """A logit softcap: None or a finite real number > 0."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be None or a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value}")
-    return value
+    return None if value is None else real(name, value, lambda x: x > 0, "> 0")
 
 
 def labels(value, lead_shape, device):

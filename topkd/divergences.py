@@ -62,6 +62,12 @@ def log_mix(weight: float, log_x: torch.Tensor, log_y: torch.Tensor) -> torch.Te
     return torch.where(both_dead, _NEG_INF, out)
 
 
+def _log_mix_(weight: float, log_x: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:
+    """``log(weight * x + (1 - weight) * y)`` for :meth:`Divergence.terms` (0 < weight < 1),
+    in log space: a mixture of probabilities that underflow float32 keeps its exact log."""
+    return torch.logaddexp(log_x + math.log(weight), log_y + math.log1p(-weight))
+
+
 def _check_weight(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number in [0, 1], got {value!r}")
@@ -83,6 +89,11 @@ class Divergence:
         """Elementwise ``f`` of float32 log-probabilities (``-inf`` for zero mass)."""
         raise NotImplementedError
 
+    def canonical(self) -> Divergence:
+        """The divergence this one equals exactly (``JSD(beta=0)`` is :class:`KL`): the losses
+        run that one, so the endpoints give the same numbers to the bit."""
+        return self
+
     def buckets(self, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
         """Per-row ``D`` over the last dimension of ``[n, buckets]`` log-probabilities."""
         return self.pointwise(logp, logq).sum(-1)
@@ -94,6 +105,8 @@ class Divergence:
         with torch.enable_grad():
             lp = logp.detach().requires_grad_(True)
             f = self.pointwise(lp, logq)
+            if not f.requires_grad:
+                return f, torch.zeros_like(lp)
             (h,) = torch.autograd.grad(f.sum(), lp)
         return f.detach(), h
 
@@ -228,22 +241,21 @@ class JSD(Divergence):
     def __repr__(self) -> str:
         return f"JSD(beta={self.beta})"
 
+    def canonical(self) -> Divergence:
+        return KL() if self.beta == 0.0 else ReverseKL() if self.beta == 1.0 else self
+
     def pointwise(self, logp, logq):
         beta = self.beta
-        if beta == 0.0:
-            return kl_terms(logq, logp)
-        if beta == 1.0:
-            return kl_terms(logp, logq)
+        if beta in (0.0, 1.0):
+            return self.canonical().pointwise(logp, logq)
         logm = log_mix(beta, logq, logp)
         return beta * kl_terms(logq, logm) + (1 - beta) * kl_terms(logp, logm)
 
     def terms(self, logp, logq, p, q):
         beta = self.beta
-        if beta == 0.0:
-            return KL().terms(logp, logq, p, q)
-        if beta == 1.0:
-            return ReverseKL().terms(logp, logq, p, q)
-        logm = torch.add(q * beta, p, alpha=1 - beta).log_()
+        if beta in (0.0, 1.0):
+            return self.canonical().terms(logp, logq, p, q)
+        logm = _log_mix_(beta, logq, logp)
         h = _times(logp.sub_(logm), p).mul_(1 - beta)  # (1 - beta) p (log p - log M)
         f = _times(logq.sub_(logm), q).mul_(beta).add_(h)
         return f, h
@@ -262,16 +274,23 @@ class SkewKL(Divergence):
     def __repr__(self) -> str:
         return f"SkewKL(alpha={self.alpha})"
 
+    def canonical(self) -> Divergence:
+        return KL() if self.alpha == 0.0 else self
+
     def pointwise(self, logp, logq):
+        if self.alpha == 1.0:  # KL(q || q)
+            return torch.zeros_like(logp)
         return kl_terms(logq, log_mix(self.alpha, logq, logp))
 
     def terms(self, logp, logq, p, q):
         alpha = self.alpha
-        m = torch.add(q * alpha, p, alpha=1 - alpha)
-        f = _times(logq.sub_(m.log()), q)
-        # p * df/dp = -(1 - alpha) p q / M (0 where M = 0: then p q = 0 too)
-        h = q.mul_(p).div_(m).mul_(alpha - 1).masked_fill_(m == 0, 0.0)
-        return f, h
+        if alpha == 1.0:
+            return torch.zeros_like(p), torch.zeros_like(p)
+        logm = _log_mix_(alpha, logq, logp)
+        # p * df/dp = -(1 - alpha) q p / M, with p / M = exp(log p - log M) <= 1 / (1 - alpha)
+        ratio = logp.sub_(logm).exp_()
+        f = _times(logq.sub_(logm), q)
+        return f, ratio.mul_(q).mul_(alpha - 1)
 
 
 @dataclass(frozen=True, repr=False, eq=False)
@@ -288,16 +307,23 @@ class SkewReverseKL(Divergence):
     def __repr__(self) -> str:
         return f"SkewReverseKL(alpha={self.alpha})"
 
+    def canonical(self) -> Divergence:
+        return ReverseKL() if self.alpha == 0.0 else self
+
     def pointwise(self, logp, logq):
+        if self.alpha == 1.0:  # KL(p || p)
+            return torch.zeros_like(logp)
         return kl_terms(logp, log_mix(self.alpha, logp, logq))
 
     def terms(self, logp, logq, p, q):
         alpha = self.alpha
-        m = torch.add(p * alpha, q, alpha=1 - alpha)
-        f = _times(logp.sub_(m.log()), p)
-        # p * df/dp = p (log p - log M) + p - alpha p^2 / M (p^2 / M = 0 where M = 0)
-        ratio = (p * p).div_(m).masked_fill_(m == 0, 0.0)
-        return f, ratio.mul_(-alpha).add_(p).add_(f)
+        if alpha == 1.0:
+            return torch.zeros_like(p), torch.zeros_like(p)
+        log_ratio = logp.sub_(_log_mix_(alpha, logp, logq))  # log p - log M
+        ratio = log_ratio.exp()  # p / M
+        f = _times(log_ratio, p)
+        # p * df/dp = p (log p - log M) + p (1 - alpha p / M)
+        return f, ratio.mul_(-alpha).add_(1.0).mul_(p).add_(f)
 
 
 class TVD(Divergence):
@@ -335,4 +361,4 @@ def resolve(divergence, reverse: bool = False) -> Divergence:
             raise ValueError(f"reverse=True means divergence='reverse_kl' and cannot be "
                              f"combined with divergence={divergence!r}")
         return ReverseKL()
-    return divergence
+    return divergence.canonical()

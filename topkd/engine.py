@@ -210,6 +210,8 @@ class SparsePath:
             else:
                 kd = cfg.divergence.buckets(torch.cat([logp_sel, logp_rest[:, None]], -1),
                                             torch.cat([logq_sel, logq_rest[:, None]], -1))
+            if not kd.requires_grad:  # a divergence that ignores the student (SkewKL(1))
+                return kd, torch.zeros_like(logp_sel), torch.zeros_like(logp_rest)
             # normalize="topk" leaves logp_rest out: its gradient is zero.
             grad_sel, grad_rest = torch.autograd.grad(kd.sum(), (logp_sel, logp_rest),
                                                       allow_unused=True,

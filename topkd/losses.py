@@ -335,6 +335,12 @@ def check_options(options: dict, allowed: set[str]) -> None:
     for name in ("kd_weight", "ce_weight"):
         if name in options:
             _checks.weight(name, options[name])
+    for name in ("logit_scale", "teacher_logit_scale"):
+        if name in options:
+            _checks.scale(name, options[name])
+    for name in ("softcap", "teacher_softcap"):
+        if name in options:
+            _checks.softcap(name, options[name])
 
 
 # Options every loss takes; the Modules take them at construction (labels and mask per call).
