@@ -19,12 +19,11 @@ and gradient.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import _checks, kernels
 from .kernels import finite_or_zero
 
 _NEG_INF = float("-inf")
@@ -69,12 +68,7 @@ def _log_mix_(weight: float, log_x: torch.Tensor, log_y: torch.Tensor) -> torch.
 
 
 def _check_weight(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number in [0, 1], got {value!r}")
-    value = float(value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
-    return value
+    return _checks.real(name, value, lambda x: 0.0 <= x <= 1.0, "in [0, 1]")
 
 
 class Divergence:

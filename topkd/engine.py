@@ -2,7 +2,7 @@
 
 Per chunk of rows the driver asks a *path* to read the chunk and compute its statistics, the
 path combines them across tensor-parallel ranks (every collective of the losses is in
-``_combine_*`` below), computes each row's KD and CE values, and, when the upstream gradient
+``_combine*`` below), computes each row's KD and CE values, and, when the upstream gradient
 is known, the chunk's gradient, which goes to a *sink* (the logits' gradient, or a fused LM
 head's hidden, weight and bias gradients). Two paths:
 
@@ -30,7 +30,7 @@ import torch
 from . import kernels, parallel
 from .divergences import Divergence
 from .kernels import finite_or_zero
-from .sources import BlockedRows, LinearRows, Rows, row_chunks
+from .sources import BlockedRows, LinearRows, Rows, chunk_rows, row_chunks
 
 
 class LossParts(NamedTuple):
@@ -74,12 +74,27 @@ def local_columns(indices: torch.Tensor, offset: int, valid: int) -> torch.Tenso
 def row_chunk_count(chunk_bytes, rows: int, widest: int, element_size: int, buffers: int) -> int:
     """Rows per chunk, from numbers every rank shares: ``buffers`` float32 rows of the widest
     shard (+1 spare column) within the budget (default ``min(64 MiB, logits / 16)``)."""
-    from .sources import chunk_rows
-
     return chunk_rows(chunk_bytes, widest + 1, rows, element_size, buffers)
 
 
 # ---- collectives ------------------------------------------------------------------------
+
+
+def _combine(maxima: list, sums: list, paired: list[int], group):
+    """Global row maxima and sums from this shard's (one MAX, one SUM all-reduce), as lists of
+    ``[r, c]`` parts. Column ``paired[i]`` of the concatenated maxima is the max that column
+    ``i`` of the concatenated sums (sums of ``exp(x - max)``) is relative to; each sum is
+    rescaled to the global max before the SUM. The other columns (kept values, a label's
+    logit) live on one rank and are -inf elsewhere."""
+    if group is None:
+        return maxima, sums
+    local = torch.cat(maxima, -1)
+    reduced = parallel.all_reduce_max_(local.clone(), group)
+    scale = torch.exp(local[:, paired] - finite_or_zero(reduced[:, paired]))
+    summed = torch.cat(sums, -1)
+    summed = parallel.all_reduce_sum_(torch.where(summed > 0, summed * scale, 0.0), group)
+    return (list(reduced.split([m.shape[1] for m in maxima], -1)),
+            list(summed.split([x.shape[1] for x in sums], -1)))
 
 
 def _combine_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -153,6 +168,7 @@ class SparsePath:
         return low, a, label_columns, z_label
 
     def forward(self, start: int, stop: int):
+        """The chunk's statistics (its rows' values come from :meth:`values`)."""
         cfg, labels = self.cfg, self.labels
         teacher = self.teacher_rows(start, stop)
         r, k = stop - start, teacher.indices.shape[-1]
@@ -164,44 +180,49 @@ class SparsePath:
                 kernels.logits_(kernels.widen(low), cfg.logit_scale, cfg.softcap))
         selected, rest_max, rest_sum = kernels.sparse_statistics(a, columns)
 
-        # combine: one MAX (kept values, ghost max, label logit, CE max), one SUM
-        extra = [] if z_label is None else [z_label[:, None]]
-        extra += [] if ce_norm is None else [ce_norm[0][:, None]]
-        maxima = torch.cat([selected, rest_max[:, None], *extra], -1)
-        sums = torch.cat([rest_sum[:, None]] + ([] if ce_norm is None else
-                                                [ce_norm[1][:, None]]), -1)
-        maxima, sums = _combine_sparse(maxima, sums, k, cfg.group)
-        rows = self._statistics(maxima, sums, k, columns)
-        rows["kd"], rows["grad_sel"], rows["grad_rest"] = self._buckets(rows, teacher, r, k)
+        # combine: one MAX (kept values, ghost max, label logit, CE max), one SUM (the ghost's
+        # and the CE's sums, relative to their maxima)
+        maxima = [selected, rest_max[:, None]] + ([] if z_label is None else [z_label[:, None]])
+        maxima += [] if ce_norm is None else [ce_norm[0][:, None]]
+        sums = [rest_sum[:, None]] + ([] if ce_norm is None else [ce_norm[1][:, None]])
+        maxima, sums = _combine(maxima, sums, [k, k + 2][:len(sums)], cfg.group)
+        rows = self._statistics(maxima[0], maxima[1][:, 0], sums[0][:, 0], columns)
+        rows["logq_sel"] = teacher.logprobs.reshape(r, k)
+        rows["logq_rest"] = teacher.rest_logprob.reshape(r)
+        if z_label is not None:
+            rows["z_label"] = maxima[2][:, 0]
+        if ce_norm is not None:
+            rows["ce_max"], rows["ce_sum"] = maxima[3][:, 0], sums[1][:, 0]
+        return (low, a, columns, label_columns, rest_max), rows
+
+    def values(self, rows: dict, start: int, stop: int) -> None:
+        """Add the rows' KD, its gradient w.r.t. the buckets, and CE to ``rows`` (those of one
+        chunk, or of all of them at once when the gradient waits for backward)."""
+        labels = self.labels
+        logq = rows.pop("logq_sel"), rows.pop("logq_rest")
+        rows["kd"], rows["grad_sel"], rows["grad_rest"] = self._buckets(rows, *logq)
         if labels.labels is not None:
             has = labels.has(start, stop)
-            z_label = maxima[:, k + 1]
             if labels.folded:
-                rows["ce"] = _ce_rows(has, rows["row_max"], rows["total"], z_label)
+                rows["ce"] = _ce_rows(has, rows["row_max"], rows["total"], rows["z_label"])
             else:
-                rows["ce_max"], rows["ce_sum"] = maxima[:, k + 2], sums[:, 1]
-                rows["ce"] = _ce_rows(has, rows["ce_max"], rows["ce_sum"], z_label)
-        state = (low, a, columns, label_columns, rest_max)
-        return state, rows
+                rows["ce"] = _ce_rows(has, rows["ce_max"], rows["ce_sum"], rows["z_label"])
 
     @staticmethod
-    def _statistics(maxima, sums, k, columns):
-        selected, rest_max, rest_sum = maxima[:, :k], maxima[:, k], sums[:, 0]
+    def _statistics(selected, rest_max, rest_sum, columns):
         row_max = finite_or_zero(torch.maximum(selected.amax(-1), rest_max))
         total = torch.exp(selected - row_max[:, None]).sum(-1)
         total += rest_sum * torch.exp(rest_max - row_max)
-        return {"columns": columns.int(), "selected": selected.contiguous(), "row_max": row_max,
+        return {"columns": columns.int(), "selected": selected, "row_max": row_max,
                 "total": total, "rest_max": rest_max, "rest_sum": rest_sum}
 
-    def _buckets(self, rows, teacher, r, k):
+    def _buckets(self, rows, logq_sel, logq_rest):
         """Per-row KD over the buckets, and its gradient w.r.t. the student's bucket
         log-probabilities (autograd over ``[r, K+1]``)."""
         cfg = self.cfg
         log_total = rows["total"].log()
         logp_sel = (rows["selected"] - rows["row_max"][:, None]) - log_total[:, None]
         logp_rest = (rows["rest_max"] - rows["row_max"]) + rows["rest_sum"].log() - log_total
-        logq_sel = teacher.logprobs.reshape(r, k)
-        logq_rest = teacher.rest_logprob.reshape(r)
         with torch.enable_grad():
             logp_sel.requires_grad_(True)
             logp_rest.requires_grad_(True)
@@ -235,20 +256,6 @@ class SparsePath:
                                  grad_rest, cfg.temperature, exp_max)
         self.labels.gradient_(a, low, label_columns, rows, g_ce)
         return kernels.logits_grad_(a, low, cfg.logit_scale, cfg.softcap)
-
-
-def _combine_sparse(maxima, sums, k, group):
-    """Global maxima and rescaled sums (one MAX, one SUM all-reduce) in the sparse layout:
-    column ``k`` of ``maxima`` (the ghost max) goes with column 0 of ``sums``, column ``k + 2``
-    (CE max) with column 1. A kept index lives on one rank; the others hold -inf there."""
-    if group is None:
-        return maxima, sums
-    local = maxima
-    maxima = parallel.all_reduce_max_(maxima.clone(), group)
-    paired = [k] + ([k + 2] if sums.shape[1] > 1 else [])
-    scale = torch.exp(local[:, paired] - finite_or_zero(maxima[:, paired]))
-    sums = torch.where(sums > 0, sums * scale, 0.0)
-    return maxima, parallel.all_reduce_sum_(sums, group)
 
 
 def _renormalize(logp: torch.Tensor) -> torch.Tensor:
@@ -294,8 +301,8 @@ class DensePath:
         maxima = [local_max] + ([] if z_label is None else [z_label[:, None]])
         maxima += [] if ce_norm is None else [ce_norm[0][:, None]]
         sums = [local_sum] + ([] if ce_norm is None else [ce_norm[1][:, None]])
-        maxima, sums = _combine_dense(torch.cat(maxima, -1), torch.cat(sums, -1), cfg.group)
-        row_max, row_sum = maxima[:, :2], sums[:, :2]
+        maxima, sums = _combine(maxima, sums, [0, 1, 3][:len(sums) + 1], cfg.group)
+        row_max, row_sum = maxima[0], sums[0]
         shift = finite_or_zero(row_max) - finite_or_zero(local_max)
         f_sum, h_sum, state = div.dense_terms(state, shift + row_sum.log(),
                                               torch.exp(-shift) / row_sum)
@@ -305,11 +312,14 @@ class DensePath:
         if labels.labels is not None:
             has = labels.has(start, stop)
             if labels.folded:
-                rows["ce"] = _ce_rows(has, row_max[:, 0], row_sum[:, 0], maxima[:, 2])
+                rows["ce"] = _ce_rows(has, row_max[:, 0], row_sum[:, 0], maxima[1][:, 0])
             else:
-                rows["ce_max"], rows["ce_sum"] = maxima[:, 3], sums[:, 2]
-                rows["ce"] = _ce_rows(has, rows["ce_max"], rows["ce_sum"], maxima[:, 2])
+                rows["ce_max"], rows["ce_sum"] = maxima[2][:, 0], sums[1][:, 0]
+                rows["ce"] = _ce_rows(has, rows["ce_max"], rows["ce_sum"], maxima[1][:, 0])
         return (low, state, label_columns), rows
+
+    def values(self, rows: dict, start: int, stop: int) -> None:
+        """Nothing: the terms need the chunk itself, so :meth:`forward` made the values."""
 
     def refresh(self, start, stop, rows):
         low, a, b, _ = self._read(start, stop, None)
@@ -325,19 +335,6 @@ class DensePath:
                                              cfg.temperature)
         self.labels.gradient_(grad, low, label_columns, rows, g_ce)
         return kernels.logits_grad_(grad, low, cfg.logit_scale, cfg.softcap)
-
-
-def _combine_dense(maxima, sums, group):
-    """Global maxima and rescaled sums: columns 0 and 1 (student, teacher) of ``maxima`` go
-    with columns 0 and 1 of ``sums``, column 3 (CE max) with column 2."""
-    if group is None:
-        return maxima, sums
-    local = maxima
-    maxima = parallel.all_reduce_max_(maxima.clone(), group)
-    paired = [0, 1] + ([3] if sums.shape[1] > 2 else [])
-    scale = torch.exp(local[:, paired] - finite_or_zero(maxima[:, paired]))
-    sums = torch.where(sums > 0, sums * scale, 0.0)
-    return maxima, _combine_sum(sums, group)
 
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -361,6 +358,7 @@ def sweep_forward(path, count: int, per: int, sink=None, weights=None):
     for start, stop in row_chunks(count, per):
         state, rows = path.forward(start, stop)
         if sink is not None:
+            path.values(rows, start, stop)
             w_kd, w_ce = weights[0][start:stop], weights[1][start:stop]
             sink.add(start, stop, path.gradient(state, rows, w_kd, w_ce), path.cfg.valid)
             rows = {key: rows[key] for key in ("kd", "ce") if key in rows}
@@ -368,7 +366,10 @@ def sweep_forward(path, count: int, per: int, sink=None, weights=None):
         parts.append(rows)
     if sink is not None:
         sink.finish(path.cfg.valid)
-    return _cat_rows(parts)
+    rows = _cat_rows(parts)
+    if sink is None and rows:
+        path.values(rows, 0, count)  # the rows' values at once: fewer small operations
+    return rows
 
 
 def sweep_backward(path, count: int, per: int, rows: dict, g_kd, g_ce, sink) -> None:
