@@ -78,6 +78,7 @@ class Divergence:
     # Float32 chunk-sized buffers the full-vocabulary math holds at once (the chunk budget):
     # the two chunks, their exponentials and what :meth:`terms` makes.
     buffers = 7
+    backward_buffers = 7  # the same, for the gradient's pass (no collectives there)
 
     def pointwise(self, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
         """Elementwise ``f`` of float32 log-probabilities (``-inf`` for zero mass)."""
@@ -139,7 +140,8 @@ class _CenteredKL(Divergence):
     terms are sums of ``exp(w) * (w - o)`` over the chunks centered on their maxima, so the
     exponentials are taken in place and no normalized log-probabilities are made."""
 
-    buffers = 4
+    buffers = 3  # the two chunks (their exponentials in place) and w - o
+    backward_buffers = 2
     teacher_weighted = True  # KL(q || p): the teacher's q weights the terms
 
     def _columns(self):
@@ -161,7 +163,7 @@ class _CenteredKL(Divergence):
         # sum_j w_j (log w_j - log o_j), w_j = e_w * scale_w, log w_j = c_w - log_shift_w;
         # the reverse direction's gradient needs a - b again, so it keeps diff
         product = diff.mul_(e_w) if self.teacher_weighted else diff * e_w
-        weighted = product.nan_to_num_(0.0, float("inf"), _NEG_INF).sum(-1)
+        weighted = torch.nansum(product, -1)  # 0 * inf: a zero weight
         offset = torch.where(sums[:, w] > 0, log_shift[:, o] - log_shift[:, w], 0.0)
         f_sum = scale[:, w] * (weighted + offset * sums[:, w])
         f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), f_sum)
@@ -209,6 +211,7 @@ class ReverseKL(_CenteredKL):
 
     name = "reverse_kl"
     teacher_weighted = False
+    buffers = backward_buffers = 4  # and a - b kept for the gradient
 
     def pointwise(self, logp, logq):
         return kl_terms(logp, logq)
@@ -324,7 +327,7 @@ class TVD(Divergence):
     """Total variation distance ``0.5 * sum |q - p|`` (its subgradient is 0 where ``p = q``)."""
 
     name = "tvd"
-    buffers = 4
+    buffers = backward_buffers = 6
 
     def pointwise(self, logp, logq):
         return 0.5 * (logq.exp() - logp.exp()).abs()

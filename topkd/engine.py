@@ -59,6 +59,7 @@ class Config:
     valid: int = 0  # this rank's columns below vocab_size
     group: Any = None
     rows_per_chunk: int = 1
+    backward_rows_per_chunk: int = 0  # backward has no collectives: its own chunks (0 = same)
     block_rows: int = 0  # fused: student block rows (0 = logits)
     teacher_block_rows: int = 0  # fused: a (hidden, weight) teacher's block rows
 
@@ -156,7 +157,7 @@ class SparsePath:
         self.labels = _Labels(labels, cfg)
 
     @staticmethod
-    def buffers(cfg: Config, labels) -> int:
+    def buffers(cfg: Config, labels, backward: bool = False) -> int:
         return 1 + (labels is not None and cfg.temperature != 1.0) + (cfg.softcap is not None)
 
     def _read(self, start, stop, with_label):
@@ -273,9 +274,10 @@ class DensePath:
         self.labels = _Labels(labels, cfg)
 
     @staticmethod
-    def buffers(cfg: Config, labels) -> int:
-        return (cfg.divergence.buffers + (labels is not None and cfg.temperature != 1.0)
-                + (cfg.softcap is not None))
+    def buffers(cfg: Config, labels, backward: bool = False) -> int:
+        div = cfg.divergence
+        return ((div.backward_buffers if backward else div.buffers)
+                + (labels is not None and cfg.temperature != 1.0) + (cfg.softcap is not None))
 
     def _read(self, start, stop, label_columns):
         cfg = self.cfg
@@ -472,7 +474,9 @@ class RowLoss(torch.autograd.Function):
         sink = student.gradient(needs)
         g_ce = torch.zeros_like(g_kd) if g_ce is None else g_ce
         g_kd = torch.zeros_like(g_ce) if g_kd is None else g_kd
-        sweep_backward(path, call.count, call.config.rows_per_chunk, rows, g_kd, g_ce, sink)
+        cfg = call.config
+        per = cfg.backward_rows_per_chunk or cfg.rows_per_chunk
+        sweep_backward(path, call.count, per, rows, g_kd, g_ce, sink)
         grads = sink.result()
         return (None, *grads, *(None,) * (len(call.names) - len(grads)))
 

@@ -154,8 +154,7 @@ def dense_terms(divergence, state, log_shift, scale):
     q = eb.mul_(scale[:, 1:])
     f, h = divergence.terms(logp, logq, p, q)
     inputs_nan = torch.isnan(log_shift).any(-1)
-    f_sum = torch.where(inputs_nan, float("nan"), f.nan_to_num_(0.0, float("inf"),
-                                                                 NEG_INF).sum(-1))
+    f_sum = torch.where(inputs_nan, float("nan"), torch.nansum(f, -1))
     return f_sum, h.nan_to_num_(0.0, float("inf"), NEG_INF).sum(-1), (p, h)
 
 

@@ -114,9 +114,11 @@ def _logits_config(fields, temperature, normalize, shard, vocab, group, chunk_by
                    element_size, labels, sparse) -> Config:
     cfg = Config(temperature=temperature, normalize=normalize, offset=shard.offset,
                  valid=shard.valid(vocab), group=group, **fields)
-    buffers = (SparsePath if sparse else DensePath).buffers(cfg, labels)
-    per = row_chunk_count(chunk_bytes, n, shard.widest, element_size, buffers)
-    return Config(**{**cfg.__dict__, "rows_per_chunk": per})
+    path = SparsePath if sparse else DensePath
+    per, backward = (row_chunk_count(chunk_bytes, n, shard.widest, element_size,
+                                     path.buffers(cfg, labels, backward))
+                     for backward in (False, True))
+    return Config(**{**cfg.__dict__, "rows_per_chunk": per, "backward_rows_per_chunk": backward})
 
 
 def sparse_kl_loss(
