@@ -98,8 +98,11 @@ def _combine(maxima: list, sums: list, paired: list[int], group):
             list(summed.split([x.shape[1] for x in sums], -1)))
 
 
-def _combine_sum(x: torch.Tensor, group) -> torch.Tensor:
-    return parallel.all_reduce_sum_(x, group)
+def _combine_sum(rows: list, group) -> list:
+    """Per-row sums of every shard's ``rows`` (``[r]`` each): one SUM all-reduce."""
+    if group is None:
+        return rows
+    return list(parallel.all_reduce_sum_(torch.stack(rows, -1), group).unbind(-1))
 
 
 # ---- the hard-label term's bookkeeping ---------------------------------------------------
@@ -305,11 +308,13 @@ class DensePath:
         sums = [local_sum] + ([] if ce_norm is None else [ce_norm[1][:, None]])
         maxima, sums = _combine(maxima, sums, [0, 1, 3][:len(sums) + 1], cfg.group)
         row_max, row_sum = maxima[0], sums[0]
-        shift = finite_or_zero(row_max) - finite_or_zero(local_max)
-        f_sum, h_sum, state = div.dense_terms(state, shift + row_sum.log(),
-                                              torch.exp(-shift) / row_sum)
+        log_shift, scale = row_sum.log(), row_sum.reciprocal()
+        if cfg.group is not None:  # this shard's maxima below the global ones
+            shift = finite_or_zero(row_max) - finite_or_zero(local_max)
+            log_shift, scale = log_shift + shift, scale * torch.exp(-shift)
+        f_sum, h_sum, state = div.dense_terms(state, log_shift, scale)
         # combine 2: the divergence's row sums
-        kd, h_sum = _combine_sum(torch.stack([f_sum, h_sum], -1), cfg.group).unbind(-1)
+        kd, h_sum = _combine_sum([f_sum, h_sum], cfg.group)
         rows = {"row_max": row_max, "row_sum": row_sum, "h_sum": h_sum, "kd": kd}
         if labels.labels is not None:
             has = labels.has(start, stop)

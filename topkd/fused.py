@@ -143,7 +143,9 @@ def _transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap) -> d
 def _config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels, sparse,
             teacher_blocks) -> Config:
     cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
-    buffers = (SparsePath if sparse else DensePath).buffers(cfg, labels)
+    # the work chunks' fifth of the budget over at least three float32 buffers (issue 3's
+    # measured split): the one-pass loop's temporaries live beside the chunk
+    buffers = max(3, (SparsePath if sparse else DensePath).buffers(cfg, labels))
     element = product_dtype(hidden.dtype, weight.dtype).itemsize
     per, block, teacher_block = _budget(chunk_bytes, shard, n, element, buffers,
                                         teacher_blocks)
