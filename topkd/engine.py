@@ -442,8 +442,6 @@ def _given_rows(named):
     indices, logprobs, rest = named["indices"], named["logprobs"], named["rest"]
 
     def rows(start, stop):
-        if indices is None:  # backward: the saved columns serve
-            return None
         return _Slice(indices[start:stop], logprobs[start:stop], rest[start:stop])
 
     return rows
@@ -529,9 +527,11 @@ class ScalarLoss(torch.autograd.Function):
                 grads.append(None)
                 continue
             acc = next(saved)
-            out = acc if unit else acc * grad.to(acc.dtype)
             # a new tensor either way: the accumulators stay as they are for another backward
-            out = out.clone() if out is acc and acc.dtype == like[0] else out.to(like[0])
+            if unit:
+                out = acc.clone() if acc.dtype == like[0] else acc.to(like[0])
+            else:
+                out = (acc.float() * grad.float()).to(like[0])
             grads.append(out.view(like[1]))
         return (None, None, None, *grads, *(None,) * (ctx.count - len(grads)))
 
