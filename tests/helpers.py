@@ -198,3 +198,22 @@ def spawn_ranks(fn, world: int, args: tuple, result_dir, deadline_s: float = 300
         if text != "OK":
             reports.append(f"--- rank {rank} ---\n{text}")
     assert not reports, "\n".join(reports)
+
+
+# Heavy torch calls (products, exponentials, selection): a bad input must fail before any.
+HEAVY_OPS = {"linear", "mm", "addmm", "matmul", "bmm", "topk", "sort", "logsumexp", "softmax",
+             "log_softmax", "exp", "exp_", "log", "log_"}
+
+
+class WorkRecorder(torch.overrides.TorchFunctionMode):
+    """Records the heavy torch calls (``HEAVY_OPS``) made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in HEAVY_OPS or name.strip("_") in HEAVY_OPS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))

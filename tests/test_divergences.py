@@ -15,7 +15,13 @@ import pytest
 import reference as ref
 import torch
 import torch.nn.functional as F
-from helpers import LOSS_RTOL, assert_grad_close, assert_loss_close, grad_err
+from helpers import (
+    LOSS_RTOL,
+    WorkRecorder,
+    assert_grad_close,
+    assert_loss_close,
+    grad_err,
+)
 
 import topkd
 
@@ -604,24 +610,6 @@ def test_bf16_with_fp16_is_a_type_error(hd, wd):
 # --------------------------------------------------------------------- 7. bad inputs
 
 ERR = (ValueError, TypeError)
-_HEAVY = {"linear", "mm", "addmm", "matmul", "topk", "sort", "logsumexp", "softmax",
-          "log_softmax", "exp", "exp_", "log", "log_"}
-
-
-class _WorkRecorder(torch.overrides.TorchFunctionMode):
-    """Records heavy torch calls made while active (a bad input must fail before them)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        if name in _HEAVY or name.strip("_") in _HEAVY:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def _entries(d, st):
     s, t, h, w = d["s"], d["t"], d["h"], d["W"]
     pair = (d["th"], d["tW"])
@@ -704,7 +692,7 @@ def test_bad_input_raises_before_work(name, entry):
         d[n] = d[n].clone().requires_grad_(True)
     st = topkd.select_topk(d["t"], K)
     call = _entries(d, st)[entry]
-    rec = _WorkRecorder()
+    rec = WorkRecorder()
     with rec, pytest.raises(exc, match=match) as e:
         call(**dict(opts))
     assert not rec.calls, f"work done before {e.value!r}: {rec.calls}"

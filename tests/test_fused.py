@@ -14,7 +14,7 @@ import pytest
 import reference as ref
 import torch
 import torch.nn.functional as F
-from helpers import LOSS_RTOL, assert_loss_close, grad_err, memory_events
+from helpers import LOSS_RTOL, WorkRecorder, assert_loss_close, grad_err, memory_events
 
 import topkd
 
@@ -594,26 +594,8 @@ def test_peak_memory_bound(loss, teacher, rows, chunk_bytes, options):
 # ----------------------------------------------------------------------------- bad inputs
 
 ERR = (ValueError, TypeError)
-_HEAVY = {"linear", "mm", "addmm", "matmul", "bmm", "topk", "sort", "logsumexp", "softmax",
-          "log_softmax", "exp", "exp_"}
-
-
-class _WorkRecorder(torch.overrides.TorchFunctionMode):
-    """Records heavy torch calls (products, exponentials, selection) made while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        if name.strip("_") in _HEAVY or name in _HEAVY:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def _raises_before_work(exc, match, fn):
-    rec = _WorkRecorder()
+    rec = WorkRecorder()
     with rec, pytest.raises(exc, match=match) as e:
         fn()
     assert not rec.calls, f"work done before the error {e.value!r}: {rec.calls}"
@@ -697,7 +679,7 @@ def test_work_recorder_sees_work():
     h, w, b, t = _bad()
     for call in (lambda: topkd.fused_topk_kl_loss(h, w, t, K, bias=b),
                  lambda: topkd.fused_kl_loss(h, w, (h, w), bias=b)):
-        rec = _WorkRecorder()
+        rec = WorkRecorder()
         with rec:
             call()
         assert "linear" in rec.calls, rec.calls

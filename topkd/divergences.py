@@ -18,6 +18,7 @@ and gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -65,10 +66,6 @@ def _log_mix_(weight: float, log_x: torch.Tensor, log_y: torch.Tensor) -> torch.
     """``log(weight * x + (1 - weight) * y)`` for :meth:`Divergence.terms` (0 < weight < 1),
     in log space: a mixture of probabilities that underflow float32 keeps its exact log."""
     return torch.logaddexp(log_x + math.log(weight), log_y + math.log1p(-weight))
-
-
-def _check_weight(name: str, value) -> float:
-    return _checks.real(name, value, lambda x: 0.0 <= x <= 1.0, "in [0, 1]")
 
 
 class Divergence:
@@ -133,6 +130,22 @@ class Divergence:
 
     def __hash__(self) -> int:
         return hash(repr(self))
+
+
+class _MixtureWeight(Divergence):
+    """A divergence with one weight in [0, 1] (its single dataclass field: beta or alpha),
+    checked at construction and shown by repr."""
+
+    def __post_init__(self):
+        (field,) = dataclasses.fields(self)
+        name = f"{type(self).__name__} {field.name}"
+        value = _checks.real(name, getattr(self, field.name), lambda x: 0.0 <= x <= 1.0,
+                             "in [0, 1]")
+        object.__setattr__(self, field.name, value)
+
+    def __repr__(self) -> str:
+        (field,) = dataclasses.fields(self)
+        return f"{type(self).__name__}({field.name}={getattr(self, field.name)})"
 
 
 class _CenteredKL(Divergence):
@@ -222,7 +235,7 @@ class ReverseKL(_CenteredKL):
 
 
 @dataclass(frozen=True, repr=False, eq=False)
-class JSD(Divergence):
+class JSD(_MixtureWeight):
     """Generalized Jensen-Shannon divergence, TRL's and Liger-Kernel's convention.
 
     ``beta = 0``: exactly ``KL(q || p)``; ``beta = 1``: exactly ``KL(p || q)``; otherwise, with
@@ -231,12 +244,6 @@ class JSD(Divergence):
 
     beta: float = 0.5
     name = "jsd"
-
-    def __post_init__(self):
-        object.__setattr__(self, "beta", _check_weight("JSD beta", self.beta))
-
-    def __repr__(self) -> str:
-        return f"JSD(beta={self.beta})"
 
     def canonical(self) -> Divergence:
         return KL() if self.beta == 0.0 else ReverseKL() if self.beta == 1.0 else self
@@ -259,17 +266,11 @@ class JSD(Divergence):
 
 
 @dataclass(frozen=True, repr=False, eq=False)
-class SkewKL(Divergence):
+class SkewKL(_MixtureWeight):
     """Skew KL (DistiLLM): ``KL(q || alpha * q + (1 - alpha) * p)``; ``alpha = 0`` is KL."""
 
     alpha: float = 0.1
     name = "skew_kl"
-
-    def __post_init__(self):
-        object.__setattr__(self, "alpha", _check_weight("SkewKL alpha", self.alpha))
-
-    def __repr__(self) -> str:
-        return f"SkewKL(alpha={self.alpha})"
 
     def canonical(self) -> Divergence:
         return KL() if self.alpha == 0.0 else self
@@ -291,18 +292,12 @@ class SkewKL(Divergence):
 
 
 @dataclass(frozen=True, repr=False, eq=False)
-class SkewReverseKL(Divergence):
+class SkewReverseKL(_MixtureWeight):
     """Skew reverse KL (DistiLLM): ``KL(p || alpha * p + (1 - alpha) * q)``; ``alpha = 0`` is
     reverse KL."""
 
     alpha: float = 0.1
     name = "skew_reverse_kl"
-
-    def __post_init__(self):
-        object.__setattr__(self, "alpha", _check_weight("SkewReverseKL alpha", self.alpha))
-
-    def __repr__(self) -> str:
-        return f"SkewReverseKL(alpha={self.alpha})"
 
     def canonical(self) -> Divergence:
         return ReverseKL() if self.alpha == 0.0 else self
