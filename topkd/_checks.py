@@ -169,8 +169,10 @@ def labels(value, lead_shape, device):
     return value.reshape(-1).to(device=device, dtype=torch.int64)
 
 
-def label_range(labels: torch.Tensor, ignore_index: int, vocab: int) -> None:
-    """Every label is in ``[0, vocab)`` or ``ignore_index``."""
+def label_range(labels, ignore_index: int, vocab: int) -> None:
+    """Every label (if there are labels) is in ``[0, vocab)`` or ``ignore_index``."""
+    if labels is None:
+        return
     bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
     if bool(bad.any()):
         seen = labels[bad][:5].tolist()

@@ -17,7 +17,6 @@ from .engine import Call, Config, DensePath, SparsePath
 from .losses import (
     KL_OPTIONS,
     TOPK_OPTIONS,
-    check_label_range,
     check_options,
     common_checks,
     objective,
@@ -254,7 +253,7 @@ def fused_topk_kl_loss(
         vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                    ("teacher width", shards["teacher"].total))
         k = _checks.integer("k", k, 1, vocab)
-    check_label_range(labels, fields["ignore_index"], vocab)
+    _checks.label_range(labels, fields["ignore_index"], vocab)
     cfg = _config(fields, shards["student"], vocab, process_group, chunk_bytes, n, hidden,
                   weight, labels, True, isinstance(teacher, tuple))
     teacher_rows = None
@@ -340,7 +339,7 @@ def fused_kl_loss(
     vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
                                ("teacher width", shards["teacher"].total))
     _checks.aligned(shards, vocab)
-    check_label_range(labels, fields["ignore_index"], vocab)
+    _checks.label_range(labels, fields["ignore_index"], vocab)
     cfg = _config(fields, shards["student"], vocab, process_group, chunk_bytes, n, hidden,
                   weight, labels, False, "teacher" not in named)
     call = Call(cfg, sparse=False, student=("hidden", "weight", "bias"), teacher=tuple(named),

@@ -43,11 +43,6 @@ def objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight, l
     return fields, labels
 
 
-def check_label_range(labels, ignore_index: int, vocab: int) -> None:
-    if labels is not None:
-        _checks.label_range(labels, ignore_index, vocab)
-
-
 def run(call: Call, tensors: dict, *, mask, reduction, lead_shape, labels, teacher_rows=None,
         one_pass=False, return_components=False):
     """Run the engine for a checked call and reduce the rows: ``kd_weight * KD + ce_weight *
@@ -193,7 +188,7 @@ def sparse_kl_loss(
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shard.total))
     _checks.teacher_vocab(vocab, teacher, f"student_logits width {shard.total}, "
                                           f"vocab_size={vocab_size}")
-    check_label_range(labels, fields["ignore_index"], vocab)
+    _checks.label_range(labels, fields["ignore_index"], vocab)
     cfg = _logits_config(fields, teacher.temperature, normalize, shard, vocab, process_group,
                          chunk_bytes, n, student_logits.element_size(), labels, True)
     call = Call(cfg, sparse=True, student=("logits",), teacher=_SPARSE_NAMES, count=n)
@@ -249,7 +244,7 @@ def topk_kl_loss(
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shards["student"].total),
                                ("teacher_logits", shards["teacher"].total))
     k = _checks.integer("k", k, 1, vocab)
-    check_label_range(labels, fields["ignore_index"], vocab)
+    _checks.label_range(labels, fields["ignore_index"], vocab)
     teacher = select_rows(Rows(teacher_logits.detach()), k, top_p, top_p_min_k, temperature,
                           vocab, shards["teacher"], process_group, chunk_bytes)
     cfg = _logits_config(fields, temperature, normalize, shards["student"], vocab,
@@ -309,7 +304,7 @@ def kl_loss(
     vocab = _checks.vocab_size(vocab_size, ("student_logits", shards["student"].total),
                                ("teacher_logits", shards["teacher"].total))
     _checks.aligned(shards, vocab)
-    check_label_range(labels, fields["ignore_index"], vocab)
+    _checks.label_range(labels, fields["ignore_index"], vocab)
     cfg = _logits_config(fields, temperature, "full", shards["student"], vocab, process_group,
                          chunk_bytes, n, student_logits.element_size(), labels, False)
     call = Call(cfg, sparse=False, student=("logits",), teacher=("teacher",), count=n)
