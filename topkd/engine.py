@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import kernels, parallel
+from . import compiled, kernels, parallel
 from .divergences import Divergence
 from .kernels import finite_or_zero
 from .sources import BlockedRows, LinearRows, Rows, chunk_rows, row_chunks
@@ -62,6 +62,7 @@ class Config:
     backward_rows_per_chunk: int = 0  # backward has no collectives: its own chunks (0 = same)
     block_rows: int = 0  # fused: student block rows (0 = logits)
     teacher_block_rows: int = 0  # fused: a (hidden, weight) teacher's block rows
+    compiled: bool = False  # impl: the compiled kernels (topkd.compiled) where they apply
 
 
 def local_columns(indices: torch.Tensor, offset: int, valid: int) -> torch.Tensor:
@@ -171,19 +172,32 @@ class SparsePath:
                                   label_columns)
         return low, a, label_columns, z_label
 
+    def _ce_normalizer(self, low):
+        """The temperature-1 normalizer ``(max, centered sum)`` when the CE term needs its
+        own (labels at T != 1), else None."""
+        cfg, labels = self.cfg, self.labels
+        if labels.labels is None or labels.folded:
+            return None
+        return kernels.log_normalizer(kernels.logits_(kernels.widen(low), cfg.logit_scale,
+                                                      cfg.softcap))
+
+    def _local(self, start, stop, columns):
+        """``(state, (selected, ghost max, ghost sum, label logit, CE normalizer))`` of this
+        shard's chunk; the state is what :meth:`gradient` needs."""
+        low, a, label_columns, z_label = self._read(start, stop, self.labels.labels is not None)
+        ce_norm = self._ce_normalizer(low)
+        selected, rest_max, rest_sum = kernels.sparse_statistics(a, columns)
+        return (low, a, columns, label_columns, rest_max), (selected, rest_max, rest_sum,
+                                                            z_label, ce_norm)
+
     def forward(self, start: int, stop: int):
         """The chunk's statistics (its rows' values come from :meth:`values`)."""
-        cfg, labels = self.cfg, self.labels
+        cfg = self.cfg
         teacher = self.teacher_rows(start, stop)
         r, k = stop - start, teacher.indices.shape[-1]
         columns = local_columns(teacher.indices.reshape(r, k), cfg.offset, cfg.valid)
-        low, a, label_columns, z_label = self._read(start, stop, labels.labels is not None)
-        ce_norm = None
-        if labels.labels is not None and not labels.folded:
-            ce_norm = kernels.log_normalizer(
-                kernels.logits_(kernels.widen(low), cfg.logit_scale, cfg.softcap))
-        selected, rest_max, rest_sum = kernels.sparse_statistics(a, columns)
-
+        state, (selected, rest_max, rest_sum, z_label, ce_norm) = self._local(start, stop,
+                                                                              columns)
         # combine: one MAX (kept values, ghost max, label logit, CE max), one SUM (the ghost's
         # and the CE's sums, relative to their maxima)
         maxima = [selected, rest_max[:, None]] + ([] if z_label is None else [z_label[:, None]])
@@ -197,7 +211,7 @@ class SparsePath:
             rows["z_label"] = maxima[2][:, 0]
         if ce_norm is not None:
             rows["ce_max"], rows["ce_sum"] = maxima[3][:, 0], sums[1][:, 0]
-        return (low, a, columns, label_columns, rest_max), rows
+        return state, rows
 
     def values(self, rows: dict, start: int, stop: int) -> None:
         """Add the rows' KD, its gradient w.r.t. the buckets, and CE to ``rows`` (those of one
@@ -247,19 +261,61 @@ class SparsePath:
         low, a, label_columns, _ = self._read(start, stop, False)
         return (low, a, rows["columns"].long(), self.labels.columns(start, stop), None)
 
-    def gradient(self, state, rows, g_kd, g_ce):
-        cfg = self.cfg
-        low, a, columns, label_columns, exp_max = state
+    def _upstream(self, rows, g_kd, g_ce):
+        """``(grad_sel, grad_norm, grad_rest)``: the rows' upstream gradients of the kept
+        values, the log-normalizer (the folded CE's included) and the ghost."""
         grad_sel = rows["grad_sel"] * g_kd[:, None]
         grad_rest = rows["grad_rest"] * g_kd
         grad_norm = -(grad_sel.sum(-1) + grad_rest)
         if self.labels.labels is not None and self.labels.folded:
             grad_norm = grad_norm + g_ce
+        return grad_sel, grad_norm, grad_rest
+
+    def gradient(self, state, rows, g_kd, g_ce, dtype):
+        """The chunk's ``d loss / d (logits)`` (float32 here; the compiled path's in
+        ``dtype``, the sink's)."""
+        cfg = self.cfg
+        low, a, columns, label_columns, exp_max = state
+        grad_sel, grad_norm, grad_rest = self._upstream(rows, g_kd, g_ce)
         kernels.sparse_gradient_(a, columns, rows["row_max"], rows["total"], rows["rest_max"],
                                  rows["rest_sum"], rows["selected"], grad_sel, grad_norm,
                                  grad_rest, cfg.temperature, exp_max)
         self.labels.gradient_(a, low, label_columns, rows, g_ce)
         return kernels.logits_grad_(a, low, cfg.logit_scale, cfg.softcap)
+
+
+class CompiledSparsePath(SparsePath):
+    """:class:`SparsePath` with the compiled kernels: no float32 copy of a chunk is made;
+    the gradient reads the chunk again."""
+
+    @staticmethod
+    def buffers(cfg: Config, labels, backward: bool = False) -> int:
+        return 1  # the gradient chunk (and a bool mask of the kept columns)
+
+    def _local(self, start, stop, columns):
+        cfg, labels = self.cfg, self.labels
+        low = self.student.low_chunk(start, stop, cfg.valid)
+        label_columns = labels.columns(start, stop)
+        ce = labels.labels is not None and not labels.folded
+        selected, rest_max, rest_sum, *extra = compiled.sparse_statistics(
+            low, columns, label_columns, cfg.temperature, cfg.logit_scale, cfg.softcap, ce)
+        z_label = extra[0] if label_columns is not None else None
+        ce_norm = tuple(extra[-2:]) if ce else None
+        return (low, columns, label_columns), (selected, rest_max, rest_sum, z_label, ce_norm)
+
+    def refresh(self, start, stop, rows):
+        low = self.student.low_chunk(start, stop, self.cfg.valid)
+        return (low, rows["columns"].long(), self.labels.columns(start, stop))
+
+    def gradient(self, state, rows, g_kd, g_ce, dtype):
+        cfg = self.cfg
+        low, columns, label_columns = state
+        grad_sel, grad_norm, grad_rest = self._upstream(rows, g_kd, g_ce)
+        return compiled.sparse_gradient(
+            low, columns, label_columns, rows["row_max"], rows["total"], rows["rest_max"],
+            rows["rest_sum"], rows["selected"], grad_sel, grad_norm, grad_rest,
+            None if label_columns is None else g_ce, rows.get("ce_max"), rows.get("ce_sum"),
+            cfg.temperature, cfg.logit_scale, cfg.softcap, dtype)
 
 
 def _renormalize(logp: torch.Tensor) -> torch.Tensor:
@@ -291,16 +347,23 @@ class DensePath:
                             cfg.teacher_logit_scale, cfg.teacher_softcap, 1)
         return low, a, b, z_label
 
+    def _local(self, start, stop, label_columns):
+        """``(state, local maxima [r, 2], local sums [r, 2], label logit, CE normalizer)``."""
+        low, a, b, z_label = self._read(start, stop, label_columns)
+        ce_norm = SparsePath._ce_normalizer(self, low)
+        local_max, local_sum, state = self.cfg.divergence.dense_statistics(a, b)
+        return (low, state, label_columns), local_max, local_sum, z_label, ce_norm
+
+    def _terms(self, state, local_max, log_shift, scale):
+        """``(D row sums, h row sums, state for the gradient)`` of this shard's chunk."""
+        low, state, label_columns = state
+        f_sum, h_sum, state = self.cfg.divergence.dense_terms(state, log_shift, scale)
+        return f_sum, h_sum, (low, state, label_columns)
+
     def forward(self, start: int, stop: int):
         cfg, labels = self.cfg, self.labels
         label_columns = labels.columns(start, stop)
-        low, a, b, z_label = self._read(start, stop, label_columns)
-        ce_norm = None
-        if labels.labels is not None and not labels.folded:
-            ce_norm = kernels.log_normalizer(
-                kernels.logits_(kernels.widen(low), cfg.logit_scale, cfg.softcap))
-        div = cfg.divergence
-        local_max, local_sum, state = div.dense_statistics(a, b)
+        state, local_max, local_sum, z_label, ce_norm = self._local(start, stop, label_columns)
 
         # combine 1: maxima (student, teacher, label logit, CE max) and sums
         maxima = [local_max] + ([] if z_label is None else [z_label[:, None]])
@@ -312,7 +375,7 @@ class DensePath:
         if cfg.group is not None:  # this shard's maxima below the global ones
             shift = finite_or_zero(row_max) - finite_or_zero(local_max)
             log_shift, scale = log_shift + shift, scale * torch.exp(-shift)
-        f_sum, h_sum, state = div.dense_terms(state, log_shift, scale)
+        f_sum, h_sum, state = self._terms(state, local_max, log_shift, scale)
         # combine 2: the divergence's row sums
         kd, h_sum = _combine_sum([f_sum, h_sum], cfg.group)
         rows = {"row_max": row_max, "row_sum": row_sum, "h_sum": h_sum, "kd": kd}
@@ -323,7 +386,7 @@ class DensePath:
             else:
                 rows["ce_max"], rows["ce_sum"] = maxima[2][:, 0], sums[1][:, 0]
                 rows["ce"] = _ce_rows(has, rows["ce_max"], rows["ce_sum"], maxima[1][:, 0])
-        return (low, state, label_columns), rows
+        return state, rows
 
     def values(self, rows: dict, start: int, stop: int) -> None:
         """Nothing: the terms need the chunk itself, so :meth:`forward` made the values."""
@@ -333,15 +396,76 @@ class DensePath:
         state = self.cfg.divergence.dense_refresh(a, b, rows["row_max"], rows["row_sum"])
         return (low, state, self.labels.columns(start, stop))
 
-    def gradient(self, state, rows, g_kd, g_ce):
+    def _folded(self, g_kd, g_ce):
+        """The CE's upstream gradient where it shares the KD normalizer, else 0."""
+        if self.labels.labels is not None and self.labels.folded:
+            return g_ce
+        return torch.zeros_like(g_kd)
+
+    def gradient(self, state, rows, g_kd, g_ce, dtype):
         cfg = self.cfg
         low, state, label_columns = state
-        folded = g_ce if (self.labels.labels is not None and self.labels.folded) else \
-            torch.zeros_like(g_kd)
-        grad = cfg.divergence.dense_gradient(state, rows["h_sum"], g_kd, folded,
-                                             cfg.temperature)
+        grad = cfg.divergence.dense_gradient(state, rows["h_sum"], g_kd,
+                                             self._folded(g_kd, g_ce), cfg.temperature)
         self.labels.gradient_(grad, low, label_columns, rows, g_ce)
         return kernels.logits_grad_(grad, low, cfg.logit_scale, cfg.softcap)
+
+
+class CompiledDensePath(DensePath):
+    """:class:`DensePath` with the compiled kernels over the divergence's :meth:`terms`: the
+    chunks are read again for the terms and the gradient; no float32 copy is made."""
+
+    @staticmethod
+    def buffers(cfg: Config, labels, backward: bool = False) -> int:
+        return 1  # the gradient chunk
+
+    def _transforms(self):
+        cfg = self.cfg
+        return (cfg.logit_scale, cfg.softcap, cfg.teacher_logit_scale, cfg.teacher_softcap)
+
+    def _lows(self, start, stop):
+        valid = self.cfg.valid
+        return (self.student.low_chunk(start, stop, valid),
+                self.teacher.low_chunk(start, stop, valid))
+
+    def _local(self, start, stop, label_columns):
+        cfg, labels = self.cfg, self.labels
+        low_s, low_t = self._lows(start, stop)
+        ce = labels.labels is not None and not labels.folded
+        local_max, local_sum, *extra = compiled.dense_statistics(
+            low_s, low_t, label_columns, cfg.temperature, self._transforms(), ce)
+        z_label = extra[0] if label_columns is not None else None
+        ce_norm = tuple(extra[-2:]) if ce else None
+        return (low_s, low_t, label_columns), local_max, local_sum, z_label, ce_norm
+
+    def _terms(self, state, local_max, log_shift, scale):
+        low_s, low_t, _ = state
+        f_sum, h_sum = compiled.dense_terms(self.cfg.divergence, low_s, low_t,
+                                            finite_or_zero(local_max), log_shift, scale,
+                                            self.cfg.temperature, self._transforms())
+        return f_sum, h_sum, state
+
+    def refresh(self, start, stop, rows):
+        return (*self._lows(start, stop), self.labels.columns(start, stop))
+
+    def gradient(self, state, rows, g_kd, g_ce, dtype):
+        cfg = self.cfg
+        low_s, low_t, label_columns = state
+        return compiled.dense_gradient(
+            cfg.divergence, low_s, low_t, label_columns, rows["row_max"], rows["row_sum"],
+            rows["h_sum"], g_kd, self._folded(g_kd, g_ce),
+            None if label_columns is None else g_ce, rows.get("ce_max"), rows.get("ce_sum"),
+            cfg.temperature, self._transforms(), dtype)
+
+
+def path_class(cfg: Config, sparse: bool):
+    """The path a call runs: compiled where ``cfg.compiled`` and the divergence has its own
+    :meth:`~topkd.divergences.Divergence.terms` (or the path is sparse, where the divergence
+    acts on the small buckets only)."""
+    if sparse:
+        return CompiledSparsePath if cfg.compiled else SparsePath
+    own_terms = type(cfg.divergence).terms is not Divergence.terms
+    return CompiledDensePath if cfg.compiled and own_terms else DensePath
 
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -367,7 +491,8 @@ def sweep_forward(path, count: int, per: int, sink=None, weights=None):
         if sink is not None:
             path.values(rows, start, stop)
             w_kd, w_ce = weights[0][start:stop], weights[1][start:stop]
-            sink.add(start, stop, path.gradient(state, rows, w_kd, w_ce), path.cfg.valid)
+            grad = path.gradient(state, rows, w_kd, w_ce, sink.chunk_dtype)
+            sink.add(start, stop, grad, path.cfg.valid)
             rows = {key: rows[key] for key in ("kd", "ce") if key in rows}
         del state  # free this chunk's buffers before the next is made
         parts.append(rows)
@@ -384,8 +509,8 @@ def sweep_backward(path, count: int, per: int, rows: dict, g_kd, g_ce, sink) -> 
     for start, stop in row_chunks(count, per):
         part = _slice_rows(rows, start, stop)
         state = path.refresh(start, stop, part)
-        sink.add(start, stop, path.gradient(state, part, g_kd[start:stop], g_ce[start:stop]),
-                 path.cfg.valid)
+        grad = path.gradient(state, part, g_kd[start:stop], g_ce[start:stop], sink.chunk_dtype)
+        sink.add(start, stop, grad, path.cfg.valid)
         del state
     sink.finish(path.cfg.valid)
 
@@ -423,13 +548,16 @@ class Call:
         return BlockedRows(source, self.config.teacher_block_rows)
 
     def path(self, named: dict, blocked: bool, teacher_rows=None):
+        cfg = self.config
         student = self.student_source(named, blocked)
+        cls = path_class(cfg, self.sparse)
+        if cfg.valid == 0:  # a shard that is all vocabulary padding: nothing to compile
+            cls = SparsePath if self.sparse else DensePath
         if self.sparse:
             if teacher_rows is None:
                 teacher_rows = _given_rows(named)
-            return SparsePath(self.config, student, teacher_rows, named["labels"]), student
-        return DensePath(self.config, student, self.teacher_source(named),
-                         named["labels"]), student
+            return cls(cfg, student, teacher_rows, named["labels"]), student
+        return cls(cfg, student, self.teacher_source(named), named["labels"]), student
 
 
 class _Slice(NamedTuple):
@@ -474,7 +602,7 @@ class RowLoss(torch.autograd.Function):
         rows = dict(zip(ctx.keys, saved[len(ctx.kept):], strict=True))
         path, student = call.path(named, blocked=False, teacher_rows=lambda *_: None)
         needs = ctx.needs_input_grad[1:1 + len(call.student)]
-        sink = student.gradient(needs)
+        sink = student.gradient(needs, call.config.compiled)
         g_ce = torch.zeros_like(g_kd) if g_ce is None else g_ce
         g_kd = torch.zeros_like(g_ce) if g_kd is None else g_kd
         cfg = call.config
@@ -495,7 +623,8 @@ class ScalarLoss(torch.autograd.Function):
         # weights: per-row (KD, CE) reduction weights: mask / count for "mean"
         named = dict(zip(call.names, tensors, strict=True))
         path, student = call.path(named, blocked=True, teacher_rows=teacher_rows)
-        sink = student.gradient(ctx.needs_input_grad[3:3 + len(call.student)])
+        sink = student.gradient(ctx.needs_input_grad[3:3 + len(call.student)],
+                                call.config.compiled)
         cfg = call.config
         upstream = (weights[0] * cfg.kd_weight, weights[1] * cfg.ce_weight)
         rows = sweep_forward(path, call.count, cfg.rows_per_chunk, sink, upstream)

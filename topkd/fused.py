@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, parallel
-from .engine import Call, Config, DensePath, SparsePath
+from .engine import Call, Config, path_class
 from .losses import (
     KL_OPTIONS,
     TOPK_OPTIONS,
@@ -144,7 +144,7 @@ def _config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels,
     cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
     # the work chunks' fifth of the budget over at least three float32 buffers (issue 3's
     # measured split): the one-pass loop's temporaries live beside the chunk
-    buffers = max(3, (SparsePath if sparse else DensePath).buffers(cfg, labels))
+    buffers = max(3, path_class(cfg, sparse).buffers(cfg, labels))
     element = product_dtype(hidden.dtype, weight.dtype).itemsize
     per, block, teacher_block = _budget(chunk_bytes, shard, n, element, buffers,
                                         teacher_blocks)
@@ -180,6 +180,7 @@ def fused_topk_kl_loss(
     teacher_logit_scale: float = 1.0,
     teacher_softcap: float | None = None,
     return_components: bool = False,
+    impl: str = "auto",
 ):
     """:func:`topkd.topk_kl_loss` of the logits ``softcap * tanh(logit_scale * F.linear(
     hidden, weight, bias) / softcap)`` (no softcap: ``logit_scale * F.linear(...)``), never
@@ -208,8 +209,8 @@ def fused_topk_kl_loss(
         temperature: ``None``: the SparseTeacher's own, or 1.0; when given with a
             SparseTeacher it must equal its temperature.
         top_p, top_p_min_k, divergence, reverse, normalize, vocab_size, labels, ignore_index,
-        kd_weight, ce_weight, mask, reduction, process_group, chunk_bytes, return_components:
-            as in :func:`topkd.topk_kl_loss`.
+        kd_weight, ce_weight, mask, reduction, process_group, chunk_bytes, return_components,
+        impl: as in :func:`topkd.topk_kl_loss`.
 
     Returns:
         The float32 loss, equal to the unfused loss on the same logits to float32 rounding.
@@ -224,7 +225,7 @@ def fused_topk_kl_loss(
     student = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
     transforms = _transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap)
     fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
-                               lead, hidden.device)
+                               lead, hidden.device, impl)
     fields.update(transforms, normalize=normalize)
     n = lead.numel()
     one_pass = _one_pass(student.values(), reduction)
@@ -270,7 +271,7 @@ def fused_topk_kl_loss(
             return select_rows(source, k, top_p, top_p_min_k, cfg.temperature, vocab,
                                shards["teacher"], process_group, teacher_bytes,
                                budget_factor=1, logit_scale=cfg.teacher_logit_scale,
-                               softcap=cfg.teacher_softcap)
+                               softcap=cfg.teacher_softcap, compiled=cfg.compiled)
 
         if one_pass:  # the [rows, K] targets exist one chunk at a time
             teacher_tensors = dict.fromkeys(("indices", "logprobs", "rest"))
@@ -312,6 +313,7 @@ def fused_kl_loss(
     teacher_logit_scale: float = 1.0,
     teacher_softcap: float | None = None,
     return_components: bool = False,
+    impl: str = "auto",
 ):
     """:func:`topkd.kl_loss` (any divergence over the whole vocabulary) of the logits of
     ``F.linear(hidden, weight, bias)``, never holding those logits.
@@ -325,7 +327,7 @@ def fused_kl_loss(
     lead = hidden.shape[:-1]
     student = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
     fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
-                               lead, hidden.device)
+                               lead, hidden.device, impl)
     fields.update(_transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap))
     fields["temperature"] = _checks.temperature(1.0 if temperature is None else temperature)
     if isinstance(teacher, SparseTeacher):

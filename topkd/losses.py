@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, parallel
+from . import _checks, compiled, parallel
 from .divergences import resolve
 from .engine import (
     Call,
     Config,
-    DensePath,
     LossParts,
     RowLoss,
     ScalarLoss,
-    SparsePath,
+    path_class,
     row_chunk_count,
 )
 from .select import select_rows
@@ -28,9 +27,10 @@ _SPARSE_NAMES = ("indices", "logprobs", "rest")
 
 
 def objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight, lead_shape,
-              device) -> dict:
-    """The checked divergence and hard-label settings, as :class:`~topkd.engine.Config`
-    fields, and the labels flattened (int64 ``[n]``, on ``device``)."""
+              device, impl="auto") -> dict:
+    """The checked divergence, hard-label settings and implementation, as
+    :class:`~topkd.engine.Config` fields, and the labels flattened (int64 ``[n]``, on
+    ``device``)."""
     div = resolve(divergence, reverse)
     kd_weight = _checks.weight("kd_weight", kd_weight)
     ce_weight = _checks.weight("ce_weight", ce_weight)
@@ -39,7 +39,7 @@ def objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight, l
     if labels is None and ce_weight != 0:
         raise ValueError(f"ce_weight={ce_weight} needs labels= (the hard-label term)")
     fields = {"divergence": div, "kd_weight": kd_weight, "ce_weight": ce_weight,
-              "ignore_index": ignore_index}
+              "ignore_index": ignore_index, "compiled": compiled.use_compile(impl, device)}
     return fields, labels
 
 
@@ -109,7 +109,7 @@ def _logits_config(fields, temperature, normalize, shard, vocab, group, chunk_by
                    element_size, labels, sparse) -> Config:
     cfg = Config(temperature=temperature, normalize=normalize, offset=shard.offset,
                  valid=shard.valid(vocab), group=group, **fields)
-    path = SparsePath if sparse else DensePath
+    path = path_class(cfg, sparse)
     per, backward = (row_chunk_count(chunk_bytes, n, shard.widest, element_size,
                                      path.buffers(cfg, labels, backward))
                      for backward in (False, True))
@@ -134,6 +134,7 @@ def sparse_kl_loss(
     process_group=None,
     chunk_bytes: int | None = None,
     return_components: bool = False,
+    impl: str = "auto",
 ):
     """A divergence between the student and a :class:`SparseTeacher` (online or offline),
     plus an optional hard-label cross-entropy.
@@ -166,6 +167,9 @@ def sparse_kl_loss(
         chunk_bytes: float32 work buffers per chunk of rows (default: min(64 MiB, logits/16)).
         return_components: return ``LossParts(loss, kd, ce)``, the parts detached and reduced
             the same way (computed in the same pass).
+        impl: ``"auto"`` (compiled kernels where the platform can build them, else eager
+            with one warning; ``$TOPKD_IMPL`` replaces it for a whole run), ``"eager"`` or
+            ``"compile"`` (a RuntimeError where it cannot). Equal to float32 rounding.
 
     Returns:
         float32 loss; the same on every rank. No ``T**2`` factor. The student gradient has
@@ -181,7 +185,7 @@ def sparse_kl_loss(
     _checks.teacher_temperature(temperature, teacher)
     mask = _checks.teacher_mask(mask, teacher, lead)
     fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
-                               lead, student_logits.device)
+                               lead, student_logits.device, impl)
     n = lead.numel()
     shard = parallel.exchange_shards(process_group, {"student": student_logits.shape[-1]}, n,
                                      student_logits.device)["student"]
@@ -218,6 +222,7 @@ def topk_kl_loss(
     process_group=None,
     chunk_bytes: int | None = None,
     return_components: bool = False,
+    impl: str = "auto",
 ):
     """Top-K KD loss: ``sparse_kl_loss(student_logits, select_topk(teacher_logits, k, ...))``.
 
@@ -237,7 +242,7 @@ def topk_kl_loss(
     temperature = _checks.temperature(1.0 if temperature is None else temperature)
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
     fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
-                               lead, student_logits.device)
+                               lead, student_logits.device, impl)
     n = lead.numel()
     widths = {"student": student_logits.shape[-1], "teacher": teacher_logits.shape[-1]}
     shards = parallel.exchange_shards(process_group, widths, n, student_logits.device)
@@ -246,7 +251,8 @@ def topk_kl_loss(
     k = _checks.integer("k", k, 1, vocab)
     _checks.label_range(labels, fields["ignore_index"], vocab)
     teacher = select_rows(Rows(teacher_logits.detach()), k, top_p, top_p_min_k, temperature,
-                          vocab, shards["teacher"], process_group, chunk_bytes)
+                          vocab, shards["teacher"], process_group, chunk_bytes,
+                          compiled=fields["compiled"])
     cfg = _logits_config(fields, temperature, normalize, shards["student"], vocab,
                          process_group, chunk_bytes, n, student_logits.element_size(), labels,
                          True)
@@ -273,6 +279,7 @@ def kl_loss(
     process_group=None,
     chunk_bytes: int | None = None,
     return_components: bool = False,
+    impl: str = "auto",
 ):
     """Full-vocabulary KD loss: any divergence (the name is historical), by default
     ``KL(q || p) = sum_j q_j (log q_j - log p_j)`` over the whole vocabulary.
@@ -283,7 +290,7 @@ def kl_loss(
         temperature: both are divided by it before the softmax (``None`` = 1.0). No ``T**2``.
         divergence: as in :func:`sparse_kl_loss`, over every vocabulary entry.
         vocab_size, labels, ignore_index, kd_weight, ce_weight, mask, reduction,
-        process_group, chunk_bytes, return_components: as in :func:`sparse_kl_loss`; with
+        process_group, chunk_bytes, return_components, impl: as in :func:`sparse_kl_loss`; with
             ``vocab_size`` the two widths may differ (e.g. 152,064 vs 151,936).
 
     Returns:
@@ -297,7 +304,7 @@ def kl_loss(
     _checks.same_leading("student_logits", lead, "teacher_logits", teacher_logits.shape[:-1])
     temperature = _checks.temperature(1.0 if temperature is None else temperature)
     fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
-                               lead, student_logits.device)
+                               lead, student_logits.device, impl)
     n = lead.numel()
     widths = {"student": student_logits.shape[-1], "teacher": teacher_logits.shape[-1]}
     shards = parallel.exchange_shards(process_group, widths, n, student_logits.device)
@@ -329,6 +336,7 @@ def check_options(options: dict, allowed: set[str]) -> None:
     if "normalize" in options:
         _checks.choice("normalize", options["normalize"], _checks.NORMALIZE)
     resolve(options.get("divergence", "kl"), options.get("reverse", False))
+    compiled.check_impl(options.get("impl", "auto"))
     for name in ("kd_weight", "ce_weight"):
         if name in options:
             _checks.weight(name, options[name])
@@ -343,7 +351,7 @@ def check_options(options: dict, allowed: set[str]) -> None:
 # Options every loss takes; the Modules take them at construction (labels and mask per call).
 KL_OPTIONS = {"temperature", "divergence", "reverse", "vocab_size", "reduction",
               "process_group", "chunk_bytes", "ignore_index", "kd_weight", "ce_weight",
-              "return_components"}
+              "return_components", "impl"}
 TOPK_OPTIONS = KL_OPTIONS | {"top_p", "top_p_min_k", "normalize"}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, parallel
+from . import _checks, compiled, parallel
 from .kernels import read
 from .sources import Rows, budget_bytes, chunk_rows, row_chunks
 from .teacher import SparseTeacher
@@ -101,7 +101,8 @@ def _topk_ties_fixed(b: torch.Tensor, k: int):
 
 
 def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes,
-                      budget_factor: int, logit_scale: float, softcap: float | None):
+                      budget_factor: int, logit_scale: float, softcap: float | None,
+                      use_compiled: bool = False):
     """Per row of this shard's first ``valid`` columns: the top-k in canonical order (values,
     local indices; at most ``valid`` of them) and the rest's log-sum-exp as (max, log-sum)."""
     n, device = rows.count, rows.device
@@ -116,7 +117,11 @@ def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes,
                      valid, n, 4)
     for start, stop in row_chunks(n, per):
         # the chunk's one large buffer
-        b, _ = read(rows.low_chunk(start, stop, valid), temperature, logit_scale, softcap)
+        low = rows.low_chunk(start, stop, valid)
+        if use_compiled:
+            b = compiled.read(low, temperature, logit_scale, softcap)
+        else:
+            b, _ = read(low, temperature, logit_scale, softcap)
         if k_local < valid:
             # One entry more than kept: the (k+1)-th largest is the maximum of the rest.
             v, i = topk_lowest_index(b, k_local + 1)
@@ -126,10 +131,13 @@ def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes,
             v, i = topk_lowest_index(b, k_local)
             m = torch.full_like(v[:, 0], float("-inf"))
         values[start:stop], indices[start:stop] = v, i
-        b.scatter_(1, i, float("-inf"))
         rest_max[start:stop] = m
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        rest_logsum[start:stop] = b.sub_(m[:, None]).exp_().sum(-1).log_()
+        if use_compiled:
+            rest_logsum[start:stop] = compiled.rest_logsumexp(b, i, m)
+        else:
+            b.scatter_(1, i, float("-inf"))
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            rest_logsum[start:stop] = b.sub_(m[:, None]).exp_().sum(-1).log_()
         del b  # free this chunk's buffer before the next is allocated
     return values, indices, rest_max, rest_logsum
 
@@ -145,6 +153,7 @@ def select_topk(
     vocab_size: int | None = None,
     process_group=None,
     chunk_bytes: int | None = None,
+    impl: str = "auto",
 ) -> SparseTeacher:
     """Pick and normalize the teacher's top-K entries per row (no gradient).
 
@@ -162,6 +171,8 @@ def select_topk(
         process_group: the tensor-parallel group for vocabulary-sharded logits, or ``None``.
         chunk_bytes: size of the float32 work buffer per chunk of rows (default: the smaller of
             64 MiB and 1/16 of the logits).
+        impl: ``"auto"``, ``"eager"`` or ``"compile"``, as in :func:`topkd.sparse_kl_loss`:
+            the widening and the rest's log-sum-exp run compiled; the sort stays eager.
 
     Returns:
         A :class:`SparseTeacher` with leading shape ``[...]``, identical on every rank.
@@ -177,14 +188,15 @@ def select_topk(
                                      teacher_logits.device)["teacher"]
     vocab = _checks.vocab_size(vocab_size, ("teacher_logits", shard.total))
     k = _checks.integer("k", k, 1, vocab)
+    use_compiled = compiled.use_compile(impl, teacher_logits.device)
     return select_rows(Rows(teacher_logits), k, top_p, top_p_min_k, temperature, vocab, shard,
-                       process_group, chunk_bytes)
+                       process_group, chunk_bytes, compiled=use_compiled)
 
 
 @torch.no_grad()
 def select_rows(rows, k, top_p, top_p_min_k, temperature, vocab, shard, process_group,
                 chunk_bytes, budget_factor: int = 4, logit_scale: float = 1.0,
-                softcap: float | None = None) -> SparseTeacher:
+                softcap: float | None = None, compiled: bool = False) -> SparseTeacher:
     """:func:`select_topk` after validation, from a row source (``Rows`` of teacher logits or
     ``LinearRows`` of a teacher's LM head), with this rank's shard known.
 
@@ -192,10 +204,11 @@ def select_rows(rows, k, top_p, top_p_min_k, temperature, vocab, shard, process_
     before the student's backward allocates its gradient, so the selection can afford larger
     chunks than the student's loop (4); the fused losses, whose whole budget is small, pass 1.
     ``logit_scale`` and ``softcap`` turn a teacher LM head's products into its logits.
+    ``compiled``: the element-wise parts run as compiled kernels.
     """
     values, local_idx, rest_max, rest_logsum = _local_candidates(
         rows, k, temperature, shard.valid(vocab), chunk_bytes, budget_factor, logit_scale,
-        softcap)
+        softcap, compiled)
     indices = local_idx + shard.offset
     if values.shape[-1] < k:  # this shard is narrower than k: pad so every rank sends [n, k]
         pad = k - values.shape[-1]

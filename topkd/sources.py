@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import compiled as compiled_kernels
+
 # Work buffers are float32 rows of V (+1 spare) entries; the default chunk is the smaller of this
 # and 1/16 of the logits, so the loop's temporaries stay a small fraction of one logits copy
 # at every size (see README, "Choosing chunk_bytes").
@@ -51,7 +53,7 @@ class Rows:
         """Rows ``[start, stop)`` as a source of their own (a chunk copy if not viewable)."""
         return Rows(self.get(start, stop))
 
-    def gradient(self, needs_grad) -> LogitsGradient:
+    def gradient(self, needs_grad, compiled: bool = False) -> LogitsGradient:
         return LogitsGradient(self)
 
 
@@ -60,10 +62,11 @@ class LogitsGradient:
 
     def __init__(self, rows: Rows):
         self.grad = torch.empty(rows.tensor.shape, dtype=rows.tensor.dtype, device=rows.device)
+        self.chunk_dtype = self.grad.dtype  # what a gradient chunk may come in: no loss
         self._flat = self.grad.view(rows.count, rows.width)
 
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
-        """Set rows ``[start, stop)`` from the float32 ``grad_chunk``; columns at or past
+        """Set rows ``[start, stop)`` from ``grad_chunk``; columns at or past
         ``columns`` (vocabulary padding) get zero."""
         self._flat[start:stop, :columns].copy_(grad_chunk[:, :columns])
         self._flat[start:stop, columns:] = 0
@@ -123,8 +126,8 @@ class LinearRows:
     def rows(self, start: int, stop: int) -> LinearRows:
         return LinearRows(self.flat_hidden[start:stop], self.weight, self.bias, self.stage_rows)
 
-    def gradient(self, needs_grad) -> LinearGradient:
-        return LinearGradient(self, *needs_grad, stage_rows=self.stage_rows)
+    def gradient(self, needs_grad, compiled: bool = False) -> LinearGradient:
+        return LinearGradient(self, *needs_grad, stage_rows=self.stage_rows, compiled=compiled)
 
 
 class Storage:
@@ -186,11 +189,12 @@ class BlockedRows:
     def rows(self, start: int, stop: int) -> Rows:
         return Rows(self.low_chunk(start, stop, self.width))
 
-    def gradient(self, needs_grad) -> LinearGradient:
+    def gradient(self, needs_grad, compiled: bool = False) -> LinearGradient:
         """The source's gradient, staged in this source's block storage: only for loops that
-        read each chunk (into a float32 buffer) before they add its gradient."""
+        are done reading each chunk before they add its gradient."""
         self._storage = Storage(self.source.weight.dtype, self.device)
-        self._sink = LinearGradient(self.source, *needs_grad, stage=self._storage)
+        self._sink = LinearGradient(self.source, *needs_grad, stage=self._storage,
+                                    compiled=compiled)
         return self._sink
 
 
@@ -213,8 +217,12 @@ class LinearGradient:
     """
 
     def __init__(self, rows: LinearRows, need_hidden: bool, need_weight: bool, need_bias: bool,
-                 stage_rows: int = 1, stage: Storage | None = None):
+                 stage_rows: int = 1, stage: Storage | None = None, compiled: bool = False):
         self.rows = rows
+        self.compiled = compiled
+        # a gradient chunk in the weight's dtype loses nothing (the products round to it);
+        # the bias's sum is taken in float32
+        self.chunk_dtype = torch.float32 if need_bias else rows.weight.dtype
         h, w = rows.flat_hidden, rows.weight
         self.hidden = torch.zeros_like(h) if need_hidden else None
         self.weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) \
@@ -232,7 +240,7 @@ class LinearGradient:
         self._columns = w.shape[0]
 
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
-        """Add the contribution of logits gradient rows ``[start, stop)`` (float32; columns at
+        """Add the contribution of logits gradient rows ``[start, stop)`` (columns at
         or past ``columns`` are vocabulary padding, whose gradient is zero). Chunks arrive in
         row order; a stage shared with :class:`BlockedRows` only ever receives rows at or
         before the block position of the chunk just read, which is consumed."""
@@ -281,12 +289,15 @@ class LinearGradient:
             # they share the budget with.
             tile = min(_WEIGHT_TILE_ROWS, max(1, count * columns // (6 * hidden.shape[1])))
             low = hidden.new_empty(tile, hidden.shape[1])
-            wide = torch.empty(low.shape, dtype=torch.float32, device=low.device)
+            wide = None if self.compiled else torch.empty(low.shape, dtype=torch.float32,
+                                                          device=low.device)
             for lo in range(0, columns, tile):
                 hi = min(columns, lo + tile)
                 product = torch.mm(grad_low[:, lo:hi].T, hidden, out=low[:hi - lo])
-                # (widening first is twice as fast as add_'s own mixed-dtype path on CPU)
-                self.weight[lo:hi].add_(wide[:hi - lo].copy_(product))
+                if self.compiled:
+                    compiled_kernels.accumulate_(self.weight[lo:hi], product)
+                else:  # (widening first is twice as fast as add_'s mixed-dtype path on CPU)
+                    self.weight[lo:hi].add_(wide[:hi - lo].copy_(product))
             return
         # Over few rows that rounding would be per row: run the products in float32 instead
         # (a float32 tile is at most a quarter of the stage's bytes: the stage may be a whole

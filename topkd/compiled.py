@@ -1,0 +1,287 @@
+"""Compiled per-chunk kernels (``impl="compile"``) and the choice of implementation.
+
+Each kernel reads a chunk as it comes from its source (``low``, ``[r, W]`` in the logits' own
+dtype) and returns per-row statistics or the chunk's gradient: the widening, logit transform,
+exponentials and sums run as one fused loop per result under ``torch.compile`` (inductor: C++
+on CPU, Triton on CUDA), so no float32 copy of the chunk is made. They compute what the eager
+kernels of :mod:`topkd.kernels` compute, in the same order of operations per element (sums may
+be reassociated: equal to float32 rounding); nothing in them depends on the device.
+
+Compiled once per process per variant (dtype, divergence, options) with dynamic shapes, so a
+run whose row count or vocabulary changes does not recompile; inductor's on-disk cache makes
+later processes start fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+NEG_INF = float("-inf")
+IMPLS = ("auto", "eager", "compile")
+ENV = "TOPKD_IMPL"
+# Variants (dtype, divergence, options, shape specializations) that one kernel may compile for
+# in a process; dynamo's own default (8) is shared by all callers of one code object.
+_RECOMPILE_LIMIT = 256
+_warned: set[str] = set()
+
+
+# ---- which implementation ----------------------------------------------------------------
+
+
+def compiler_missing(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device_type`` here, or None."""
+    if device_type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception as e:  # noqa: BLE001 - any failure to find one means no compiler
+            return f"no C++ compiler for inductor ({type(e).__name__}: {e})"
+        return None
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not available for this CUDA device"
+    return f"topkd compiles kernels on cpu and cuda only, not {device_type}"
+
+
+def check_impl(impl) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def use_compile(impl: str, device: torch.device) -> bool:
+    """Whether a call with ``impl`` on ``device`` runs the compiled kernels.
+
+    ``"auto"`` (the default) is replaced by ``$TOPKD_IMPL`` when that is set; it compiles when
+    the platform can and otherwise runs eager, warning once per process and device type.
+    ``"compile"`` where the platform cannot is a RuntimeError. Inside a region that
+    ``torch.compile`` is tracing the eager kernels run (the outer compile fuses them)."""
+    check_impl(impl)
+    if impl == "auto" and os.environ.get(ENV):
+        impl = os.environ[ENV]
+        if impl not in IMPLS:
+            raise ValueError(f"${ENV} must be one of {IMPLS}, got {impl!r}")
+    if impl == "eager" or torch.compiler.is_compiling():
+        return False
+    missing = compiler_missing(device.type)
+    if missing is None:
+        return True
+    if impl == "compile":
+        raise RuntimeError(f"impl='compile' cannot run on {device.type}: {missing}; use "
+                           f"impl='eager' or 'auto'")
+    if device.type not in _warned:
+        _warned.add(device.type)
+        warnings.warn(f"topkd: impl='auto' runs the eager kernels on {device.type}: {missing}",
+                      RuntimeWarning, stacklevel=3)
+    return False
+
+
+def _compiled(fn):
+    """``fn`` compiled lazily (once per process, dynamic shapes), called with a recompile
+    limit of its own."""
+    state = {}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "fn" not in state:
+            state["fn"] = torch.compile(fn, dynamic=True)
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
+                                        accumulated_recompile_limit=4 * _RECOMPILE_LIMIT):
+            return state["fn"](*args, **kwargs)
+
+    call.eager = fn
+    return call
+
+
+# ---- element-wise pieces (traced into each kernel) ----------------------------------------
+
+
+def _finite(x):
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
+def _logits(low, scale, softcap):
+    """The transformed logits in float32, as :func:`topkd.kernels.logits_` computes them."""
+    z = low.float()
+    if softcap is None:
+        return z * scale
+    return torch.tanh(z * (scale / softcap)) * softcap
+
+
+def _derivative(low, scale, softcap):
+    """d(transformed)/d(raw) at ``low``, as :func:`topkd.kernels.logits_grad_` computes it."""
+    if softcap is None:
+        return scale
+    t = torch.tanh(low.float() * (scale / softcap))
+    return (1.0 - t * t) * scale
+
+
+def _at(low, columns):
+    """``low`` gathered at ``columns`` ``[r, K]`` (the spare column ``W`` gives -inf)."""
+    width = low.shape[1]
+    inside = columns < width
+    values = low.gather(1, torch.where(inside, columns, 0))
+    return inside, values
+
+
+def _normalizer(z):
+    m = z.amax(-1)
+    return m, torch.exp(z - _finite(m)[:, None]).sum(-1)
+
+
+def _label_statistics(low, labels, scale, softcap, ce):
+    """The label's logit at temperature 1 (-inf where it is elsewhere) and, with ``ce``, the
+    temperature-1 normalizer ``(max, centered sum)``."""
+    out = ()
+    if labels is not None:
+        inside, values = _at(low, labels[:, None])
+        out += (torch.where(inside, _logits(values, scale, softcap), NEG_INF)[:, 0],)
+    if ce:
+        out += _normalizer(_logits(low, scale, softcap))
+    return out
+
+
+def _ce_gradient(grad, low, columns, labels, g_ce, ce_max, ce_sum, scale, softcap):
+    """``grad`` (w.r.t. the transformed logits at ``columns``, or every column when None) plus
+    the CE gradient not folded into the normalizer: ``g * softmax(z)`` at temperature 1 (with
+    ``ce_max``) and ``-g`` at the label."""
+    if labels is None:
+        return grad
+    if ce_max is not None:
+        z = _logits(low, scale, softcap)
+        coef = g_ce / ce_sum.clamp_min(1e-38)
+        grad = grad + torch.exp(z - _finite(ce_max)[:, None]) * coef[:, None]
+    if columns is None:
+        columns = torch.arange(low.shape[1], device=low.device)[None, :]
+    return grad - torch.where(columns == labels[:, None], g_ce[:, None], 0.0)
+
+
+# ---- Top-K / sparse teacher ---------------------------------------------------------------
+
+
+@_compiled
+def sparse_statistics(low, columns, labels, temperature, scale, softcap, ce: bool):
+    """``(selected [r, K], ghost max [r], ghost centered sum [r], *label statistics)`` of a
+    chunk, as :func:`topkd.kernels.read` + :func:`~topkd.kernels.sparse_statistics` give."""
+    r, width = low.shape
+    a = _logits(low, scale, softcap) / temperature
+    kept = torch.zeros(r, width + 1, dtype=torch.bool, device=low.device)
+    kept = kept.scatter(1, columns, True)[:, :width]
+    rest = torch.where(kept, NEG_INF, a)
+    rest_max = rest.amax(-1)
+    rest_sum = torch.exp(rest - _finite(rest_max)[:, None]).sum(-1)
+    inside, values = _at(low, columns)
+    selected = torch.where(inside, _logits(values, scale, softcap) / temperature, NEG_INF)
+    return (selected, rest_max, rest_sum, *_label_statistics(low, labels, scale, softcap, ce))
+
+
+@_compiled
+def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, selected,
+                    grad_sel, grad_norm, grad_rest, g_ce, ce_max, ce_sum, temperature, scale,
+                    softcap, dtype: torch.dtype):
+    """The chunk's ``d loss / d (raw logits)`` ``[r, W + 1]`` in ``dtype`` (the last column is
+    junk), as :func:`~topkd.kernels.sparse_gradient_` and the CE and transform steps after it
+    give: ghost entries in one pass over the chunk, kept ones computed at ``[r, K]`` and
+    scattered over them."""
+    r, width = low.shape
+    has_rest = rest_sum > 0
+    ghost = grad_norm * torch.exp(rest_max - row_max) / total
+    ghost = ghost + torch.where(has_rest, grad_rest / rest_sum.clamp_min(1e-38), 0.0)
+    ghost = torch.where(has_rest, ghost, 0.0) / temperature
+    a = _logits(low, scale, softcap) / temperature
+    grad = torch.exp(a - _finite(rest_max)[:, None]) * ghost[:, None]
+    grad = _ce_gradient(grad, low, None, labels, g_ce, ce_max, ce_sum, scale, softcap)
+    grad = grad * _derivative(low, scale, softcap)
+
+    kept = torch.exp(selected - row_max[:, None]) * (grad_norm / total)[:, None]
+    kept = (kept + grad_sel) / temperature
+    _, values = _at(low, columns)
+    kept = _ce_gradient(kept, values, columns, labels, g_ce, ce_max, ce_sum, scale, softcap)
+    kept = kept * _derivative(values, scale, softcap)
+    out = torch.cat([grad.to(dtype), grad.new_zeros(r, 1, dtype=dtype)], 1)
+    return out.scatter(1, columns, kept.to(dtype))
+
+
+# ---- full vocabulary ----------------------------------------------------------------------
+
+
+def _both(low_s, low_t, temperature, transforms):
+    scale, softcap, t_scale, t_softcap = transforms
+    return (_logits(low_s, scale, softcap) / temperature,
+            _logits(low_t, t_scale, t_softcap) / temperature)
+
+
+@_compiled
+def dense_statistics(low_s, low_t, labels, temperature, transforms, ce: bool):
+    """``(maxima [r, 2], sums [r, 2], *label statistics)`` of this shard's chunks."""
+    a, b = _both(low_s, low_t, temperature, transforms)
+    (ma, sa), (mb, sb) = _normalizer(a), _normalizer(b)
+    label = _label_statistics(low_s, labels, transforms[0], transforms[1], ce)
+    return (torch.stack([ma, mb], -1), torch.stack([sa, sb], -1), *label)
+
+
+def _terms(divergence, low_s, low_t, center, log_shift, scale, temperature, transforms):
+    """``(p, f, h)`` of the divergence over the chunk: ``log p = (a - center) - log_shift``,
+    ``p = exp(a - center) * scale`` (likewise ``q``), as :func:`topkd.kernels.dense_terms`."""
+    a, b = _both(low_s, low_t, temperature, transforms)
+    a, b = a - center[:, :1], b - center[:, 1:]
+    logp, logq = a - log_shift[:, :1], b - log_shift[:, 1:]
+    p, q = torch.exp(a) * scale[:, :1], torch.exp(b) * scale[:, 1:]
+    f, h = divergence.terms(logp, logq, p, q)
+    return p, f, torch.nan_to_num(h, 0.0, float("inf"), NEG_INF)
+
+
+@_compiled
+def dense_terms(divergence, low_s, low_t, center, log_shift, scale, temperature, transforms):
+    """``(D row sums, h row sums)`` of this shard; a term whose weight is 0 counts 0, a NaN in
+    the inputs reaches the row through ``log_shift``."""
+    _, f, h = _terms(divergence, low_s, low_t, center, log_shift, scale, temperature,
+                     transforms)
+    f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), torch.nansum(f, -1))
+    return f_sum, h.sum(-1)
+
+
+@_compiled
+def dense_gradient(divergence, low_s, low_t, labels, row_max, row_sum, h_sum, g_kd,
+                   g_norm_ce, g_ce, ce_max, ce_sum, temperature, transforms,
+                   dtype: torch.dtype):
+    """The chunk's ``d loss / d (raw student logits)`` ``[r, W]`` in ``dtype`` from the global
+    row maxima and sums ``[r, 2]``: ``(g_kd * (h - p sum h) + g_ce * p) / T`` and the CE and
+    transform steps, as :func:`~topkd.kernels.dense_gradient_` and those after it."""
+    p, _, h = _terms(divergence, low_s, low_t, _finite(row_max), row_sum.log(), 1 / row_sum,
+                     temperature, transforms)
+    coef = g_kd * h_sum - g_norm_ce
+    grad = (h * g_kd[:, None] - p * coef[:, None]) / temperature
+    scale, softcap = transforms[0], transforms[1]
+    grad = _ce_gradient(grad, low_s, None, labels, g_ce, ce_max, ce_sum, scale, softcap)
+    return (grad * _derivative(low_s, scale, softcap)).to(dtype)
+
+
+# ---- the teacher's selection and the fused head's accumulators ----------------------------
+
+
+@_compiled
+def read(low, temperature, scale, softcap):
+    """``logits / T`` of a chunk as a new float32 buffer (the selection sorts it)."""
+    return _logits(low, scale, softcap) / temperature
+
+
+@_compiled
+def rest_logsumexp(b, indices, rest_max):
+    """Log-sum-exp of each row of ``b`` ``[r, W]`` without the ``indices`` ``[r, k]``,
+    relative to ``rest_max`` (its largest remaining value, -inf when none)."""
+    kept = torch.zeros_like(b, dtype=torch.bool).scatter(1, indices, True)
+    rest = torch.where(kept, NEG_INF, b)
+    return torch.exp(rest - _finite(rest_max)[:, None]).sum(-1).log()
+
+
+@_compiled
+def accumulate_(accumulator, product):
+    """``accumulator += product`` (float32 += any float dtype) in one pass, in place."""
+    accumulator.add_(product.float())
