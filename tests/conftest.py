@@ -12,6 +12,20 @@ for _p in (_HERE, _ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+# The suite runs the eager kernels unless told otherwise (``TOPKD_IMPL=compile pytest``
+# runs all of it compiled). The modules that check against the float64 reference run both
+# implementations (``both_impls``), and test_compiled.py compares the two directly; compiled
+# kernels are built once per process and shared by every test.
+os.environ.setdefault("TOPKD_IMPL", "eager")
+
+
+@pytest.fixture(params=["eager", "compile"])
+def both_impls(request, monkeypatch):
+    """Run the test with ``impl="auto"`` resolved to each implementation (the test's own
+    processes and any ranks it spawns)."""
+    monkeypatch.setenv("TOPKD_IMPL", request.param)
+    return request.param
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -25,6 +25,9 @@ from helpers import (
 
 import topkd
 
+# float64-reference checks: run for the eager and the compiled kernels (conftest.py)
+pytestmark = pytest.mark.usefixtures("both_impls")
+
 LEAD = (3, 5)  # 15 rows
 V = 64
 K = 6

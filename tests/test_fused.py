@@ -18,6 +18,9 @@ from helpers import LOSS_RTOL, WorkRecorder, assert_loss_close, grad_err, memory
 
 import topkd
 
+# float64-reference checks: run for the eager and the compiled kernels (conftest.py)
+pytestmark = pytest.mark.usefixtures("both_impls")
+
 LEAD = (3, 5)  # 15 rows
 H = 32  # student hidden width
 H_T = 24  # teacher hidden width (differs from the student's on purpose)

@@ -6,6 +6,9 @@ from helpers import memory_events
 
 import topkd
 
+# float64-reference checks: run for the eager and the compiled kernels (conftest.py)
+pytestmark = pytest.mark.usefixtures("both_impls")
+
 ROWS, VOCAB, K = 256, 32000, 512
 CHUNK = 1 << 20  # 1 MiB: 8 float32 rows per chunk at this vocabulary
 # At this shape the [rows, K] state (int64 indices, float32 log-probs, ...) is ~0.16 x the bf16

@@ -61,13 +61,14 @@ def use_compile(impl: str, device: torch.device) -> bool:
     ``"auto"`` (the default) is replaced by ``$TOPKD_IMPL`` when that is set; it compiles when
     the platform can and otherwise runs eager, warning once per process and device type.
     ``"compile"`` where the platform cannot is a RuntimeError. Inside a region that
-    ``torch.compile`` is tracing the eager kernels run (the outer compile fuses them)."""
+    ``torch.compile`` is tracing, or under a user's ``TorchFunctionMode`` (which dynamo
+    cannot always trace through), the eager kernels run."""
     check_impl(impl)
     if impl == "auto" and os.environ.get(ENV):
         impl = os.environ[ENV]
         if impl not in IMPLS:
             raise ValueError(f"${ENV} must be one of {IMPLS}, got {impl!r}")
-    if impl == "eager" or torch.compiler.is_compiling():
+    if impl == "eager" or torch.compiler.is_compiling() or _function_mode_active():
         return False
     missing = compiler_missing(device.type)
     if missing is None:
@@ -80,6 +81,14 @@ def use_compile(impl: str, device: torch.device) -> bool:
         warnings.warn(f"topkd: impl='auto' runs the eager kernels on {device.type}: {missing}",
                       RuntimeWarning, stacklevel=3)
     return False
+
+
+def _function_mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return any(not isinstance(mode, DeviceContext)
+               for mode in _get_current_function_mode_stack())
 
 
 def _compiled(fn):
@@ -104,6 +113,13 @@ def _compiled(fn):
 
 def _finite(x):
     return torch.where(torch.isfinite(x), x, 0.0)
+
+
+def _nan_to_zero(x):
+    """``x`` with NaN replaced by 0 (infinities kept): ``fmax(x, 0) + fmin(x, 0)``, which
+    inductor vectorizes in a reduction where it does not vectorize ``where``."""
+    zero = torch.zeros_like(x)
+    return torch.fmax(x, zero) + torch.fmin(x, zero)
 
 
 def _logits(low, scale, softcap):
@@ -165,15 +181,21 @@ def _ce_gradient(grad, low, columns, labels, g_ce, ce_max, ce_sum, scale, softca
 # ---- Top-K / sparse teacher ---------------------------------------------------------------
 
 
+def kept_bias(columns: torch.Tensor, width: int) -> torch.Tensor:
+    """Float32 ``[r, width + 1]``: -inf at ``columns``, 0 elsewhere (made eagerly: a scatter
+    inside a compiled kernel, or a mask read through ``where``, keeps inductor's reduction
+    from vectorizing)."""
+    bias = torch.zeros(columns.shape[0], width + 1, device=columns.device)
+    return bias.scatter_(1, columns, NEG_INF)
+
+
 @_compiled
-def sparse_statistics(low, columns, labels, temperature, scale, softcap, ce: bool):
+def sparse_statistics(low, columns, bias, labels, temperature, scale, softcap, ce: bool):
     """``(selected [r, K], ghost max [r], ghost centered sum [r], *label statistics)`` of a
-    chunk, as :func:`topkd.kernels.read` + :func:`~topkd.kernels.sparse_statistics` give."""
-    r, width = low.shape
-    a = _logits(low, scale, softcap) / temperature
-    kept = torch.zeros(r, width + 1, dtype=torch.bool, device=low.device)
-    kept = kept.scatter(1, columns, True)[:, :width]
-    rest = torch.where(kept, NEG_INF, a)
+    chunk, as :func:`topkd.kernels.read` + :func:`~topkd.kernels.sparse_statistics` give;
+    ``bias`` is :func:`kept_bias` of ``columns``."""
+    width = low.shape[1]
+    rest = _logits(low, scale, softcap) / temperature + bias[:, :width]
     rest_max = rest.amax(-1)
     rest_sum = torch.exp(rest - _finite(rest_max)[:, None]).sum(-1)
     inside, values = _at(low, columns)
@@ -204,61 +226,65 @@ def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, se
     _, values = _at(low, columns)
     kept = _ce_gradient(kept, values, columns, labels, g_ce, ce_max, ce_sum, scale, softcap)
     kept = kept * _derivative(values, scale, softcap)
-    out = torch.cat([grad.to(dtype), grad.new_zeros(r, 1, dtype=dtype)], 1)
+    out = torch.cat([grad.to(dtype), torch.zeros(r, 1, dtype=dtype, device=low.device)], 1)
     return out.scatter(1, columns, kept.to(dtype))
 
 
 # ---- full vocabulary ----------------------------------------------------------------------
 
 
-def _both(low_s, low_t, temperature, transforms):
-    scale, softcap, t_scale, t_softcap = transforms
+def _both(low_s, low_t, temperature, scale, softcap, t_scale, t_softcap):
     return (_logits(low_s, scale, softcap) / temperature,
             _logits(low_t, t_scale, t_softcap) / temperature)
 
 
 @_compiled
-def dense_statistics(low_s, low_t, labels, temperature, transforms, ce: bool):
-    """``(maxima [r, 2], sums [r, 2], *label statistics)`` of this shard's chunks."""
-    a, b = _both(low_s, low_t, temperature, transforms)
+def dense_statistics(low_s, low_t, labels, temperature, scale, softcap, t_scale, t_softcap,
+                     ce: bool):
+    """``(maxima [r, 2], sums [r, 2], *label statistics)`` of this shard's chunks (the
+    student's logit transform ``scale``/``softcap``, the teacher's ``t_scale``/``t_softcap``)."""
+    a, b = _both(low_s, low_t, temperature, scale, softcap, t_scale, t_softcap)
     (ma, sa), (mb, sb) = _normalizer(a), _normalizer(b)
-    label = _label_statistics(low_s, labels, transforms[0], transforms[1], ce)
+    label = _label_statistics(low_s, labels, scale, softcap, ce)
     return (torch.stack([ma, mb], -1), torch.stack([sa, sb], -1), *label)
 
 
-def _terms(divergence, low_s, low_t, center, log_shift, scale, temperature, transforms):
+def _terms(divergence, low_s, low_t, center, log_shift, inverse, temperature, *transforms):
     """``(p, f, h)`` of the divergence over the chunk: ``log p = (a - center) - log_shift``,
-    ``p = exp(a - center) * scale`` (likewise ``q``), as :func:`topkd.kernels.dense_terms`."""
-    a, b = _both(low_s, low_t, temperature, transforms)
-    a, b = a - center[:, :1], b - center[:, 1:]
-    logp, logq = a - log_shift[:, :1], b - log_shift[:, 1:]
-    p, q = torch.exp(a) * scale[:, :1], torch.exp(b) * scale[:, 1:]
+    ``p = exp(a - center) * inverse`` (likewise ``q``), as :func:`topkd.kernels.dense_terms`
+    (``inverse``: its ``scale``)."""
+    a, b = _both(low_s, low_t, temperature, *transforms)
+    # (columns by index, not by slice: a slice of the size-2 dimension is not provably 1 wide
+    # under dynamic shapes)
+    a, b = a - center[:, 0, None], b - center[:, 1, None]
+    logp, logq = a - log_shift[:, 0, None], b - log_shift[:, 1, None]
+    p, q = torch.exp(a) * inverse[:, 0, None], torch.exp(b) * inverse[:, 1, None]
     f, h = divergence.terms(logp, logq, p, q)
-    return p, f, torch.nan_to_num(h, 0.0, float("inf"), NEG_INF)
+    return p, f, _nan_to_zero(h) if divergence.h_may_be_nan else h
 
 
 @_compiled
-def dense_terms(divergence, low_s, low_t, center, log_shift, scale, temperature, transforms):
+def dense_terms(divergence, low_s, low_t, center, log_shift, inverse, temperature, scale,
+                softcap, t_scale, t_softcap):
     """``(D row sums, h row sums)`` of this shard; a term whose weight is 0 counts 0, a NaN in
     the inputs reaches the row through ``log_shift``."""
-    _, f, h = _terms(divergence, low_s, low_t, center, log_shift, scale, temperature,
-                     transforms)
-    f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), torch.nansum(f, -1))
+    _, f, h = _terms(divergence, low_s, low_t, center, log_shift, inverse, temperature, scale,
+                     softcap, t_scale, t_softcap)
+    f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), _nan_to_zero(f).sum(-1))
     return f_sum, h.sum(-1)
 
 
 @_compiled
 def dense_gradient(divergence, low_s, low_t, labels, row_max, row_sum, h_sum, g_kd,
-                   g_norm_ce, g_ce, ce_max, ce_sum, temperature, transforms,
-                   dtype: torch.dtype):
+                   g_norm_ce, g_ce, ce_max, ce_sum, temperature, scale, softcap, t_scale,
+                   t_softcap, dtype: torch.dtype):
     """The chunk's ``d loss / d (raw student logits)`` ``[r, W]`` in ``dtype`` from the global
     row maxima and sums ``[r, 2]``: ``(g_kd * (h - p sum h) + g_ce * p) / T`` and the CE and
     transform steps, as :func:`~topkd.kernels.dense_gradient_` and those after it."""
     p, _, h = _terms(divergence, low_s, low_t, _finite(row_max), row_sum.log(), 1 / row_sum,
-                     temperature, transforms)
+                     temperature, scale, softcap, t_scale, t_softcap)
     coef = g_kd * h_sum - g_norm_ce
     grad = (h * g_kd[:, None] - p * coef[:, None]) / temperature
-    scale, softcap = transforms[0], transforms[1]
     grad = _ce_gradient(grad, low_s, None, labels, g_ce, ce_max, ce_sum, scale, softcap)
     return (grad * _derivative(low_s, scale, softcap)).to(dtype)
 
@@ -273,12 +299,10 @@ def read(low, temperature, scale, softcap):
 
 
 @_compiled
-def rest_logsumexp(b, indices, rest_max):
-    """Log-sum-exp of each row of ``b`` ``[r, W]`` without the ``indices`` ``[r, k]``,
-    relative to ``rest_max`` (its largest remaining value, -inf when none)."""
-    kept = torch.zeros_like(b, dtype=torch.bool).scatter(1, indices, True)
-    rest = torch.where(kept, NEG_INF, b)
-    return torch.exp(rest - _finite(rest_max)[:, None]).sum(-1).log()
+def log_sum_exp(b, center):
+    """``log sum exp(b - center)`` of each row of ``b`` ``[r, W]`` (``center`` ``[r]``, 0
+    where it is not finite)."""
+    return torch.exp(b - _finite(center)[:, None]).sum(-1).log()
 
 
 @_compiled

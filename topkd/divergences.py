@@ -76,6 +76,9 @@ class Divergence:
     # the two chunks, their exponentials and what :meth:`terms` makes.
     buffers = 7
     backward_buffers = 7  # the same, for the gradient's pass (no collectives there)
+    # Whether :meth:`terms`' ``h`` can be NaN (a zero weight times an infinite log); when it
+    # cannot, the compiled gradient skips cleaning it.
+    h_may_be_nan = True
 
     def pointwise(self, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
         """Elementwise ``f`` of float32 log-probabilities (``-inf`` for zero mass)."""
@@ -211,6 +214,7 @@ class KL(_CenteredKL):
     """``KL(q || p) = sum q (log q - log p)``: forward KL, the teacher as the target."""
 
     name = "kl"
+    h_may_be_nan = False  # h = -q
 
     def pointwise(self, logp, logq):
         return kl_terms(logq, logp)

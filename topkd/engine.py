@@ -298,7 +298,8 @@ class CompiledSparsePath(SparsePath):
         label_columns = labels.columns(start, stop)
         ce = labels.labels is not None and not labels.folded
         selected, rest_max, rest_sum, *extra = compiled.sparse_statistics(
-            low, columns, label_columns, cfg.temperature, cfg.logit_scale, cfg.softcap, ce)
+            low, columns, compiled.kept_bias(columns, low.shape[1]), label_columns,
+            cfg.temperature, cfg.logit_scale, cfg.softcap, ce)
         z_label = extra[0] if label_columns is not None else None
         ce_norm = tuple(extra[-2:]) if ce else None
         return (low, columns, label_columns), (selected, rest_max, rest_sum, z_label, ce_norm)
@@ -433,7 +434,7 @@ class CompiledDensePath(DensePath):
         low_s, low_t = self._lows(start, stop)
         ce = labels.labels is not None and not labels.folded
         local_max, local_sum, *extra = compiled.dense_statistics(
-            low_s, low_t, label_columns, cfg.temperature, self._transforms(), ce)
+            low_s, low_t, label_columns, cfg.temperature, *self._transforms(), ce)
         z_label = extra[0] if label_columns is not None else None
         ce_norm = tuple(extra[-2:]) if ce else None
         return (low_s, low_t, label_columns), local_max, local_sum, z_label, ce_norm
@@ -442,7 +443,7 @@ class CompiledDensePath(DensePath):
         low_s, low_t, _ = state
         f_sum, h_sum = compiled.dense_terms(self.cfg.divergence, low_s, low_t,
                                             finite_or_zero(local_max), log_shift, scale,
-                                            self.cfg.temperature, self._transforms())
+                                            self.cfg.temperature, *self._transforms())
         return f_sum, h_sum, state
 
     def refresh(self, start, stop, rows):
@@ -455,7 +456,7 @@ class CompiledDensePath(DensePath):
             cfg.divergence, low_s, low_t, label_columns, rows["row_max"], rows["row_sum"],
             rows["h_sum"], g_kd, self._folded(g_kd, g_ce),
             None if label_columns is None else g_ce, rows.get("ce_max"), rows.get("ce_sum"),
-            cfg.temperature, self._transforms(), dtype)
+            cfg.temperature, *self._transforms(), dtype)
 
 
 def path_class(cfg: Config, sparse: bool):

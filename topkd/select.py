@@ -132,10 +132,10 @@ def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes,
             m = torch.full_like(v[:, 0], float("-inf"))
         values[start:stop], indices[start:stop] = v, i
         rest_max[start:stop] = m
+        b.scatter_(1, i, float("-inf"))
         if use_compiled:
-            rest_logsum[start:stop] = compiled.rest_logsumexp(b, i, m)
+            rest_logsum[start:stop] = compiled.log_sum_exp(b, m)
         else:
-            b.scatter_(1, i, float("-inf"))
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             rest_logsum[start:stop] = b.sub_(m[:, None]).exp_().sum(-1).log_()
         del b  # free this chunk's buffer before the next is allocated

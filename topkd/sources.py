@@ -341,6 +341,15 @@ def chunk_rows(chunk_bytes: int | None, width: int, rows: int, element_bytes: in
 
 
 def row_chunks(rows: int, per_chunk: int):
-    """``(start, stop)`` pairs covering ``range(rows)``."""
+    """``(start, stop)`` pairs covering ``range(rows)``, of ``per_chunk`` rows but never of one
+    row when there are more: a compiled kernel built for a single row (a static size of 1)
+    may sum in another order than the one built for any height, and a row's result must not
+    depend on the chunking. A last chunk of one row joins the one before it."""
+    per_chunk = max(per_chunk, 2)
     for start in range(0, rows, per_chunk):
-        yield start, min(rows, start + per_chunk)
+        stop = min(rows, start + per_chunk)
+        if stop == rows - 1:
+            stop = rows
+        yield start, stop
+        if stop == rows:
+            return

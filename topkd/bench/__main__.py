@@ -1,16 +1,18 @@
-"""``python -m topkd.bench [fused | store] [options]`` (or ``topkd-bench``): one section.
+"""``python -m topkd.bench [fused | store | compile] [options]`` (or ``topkd-bench``): one
+section.
 
 No section: the core losses against the plain float32 code (:mod:`topkd.bench.core`);
 ``fused`` (or ``--fused``): the fused LM-head losses (:mod:`topkd.bench.fused`); ``store``: the
-offline teacher store (:mod:`topkd.bench.store`). ``--child SPEC`` is the harness's own
-child process (:func:`topkd.bench.harness.run_child`).
+offline teacher store (:mod:`topkd.bench.store`); ``compile``: the compiled kernels' first-call
+cost, cold and from inductor's on-disk cache (:mod:`topkd.bench.compiling`). ``--child SPEC``
+is the harness's own child process (:func:`topkd.bench.harness.run_child`).
 """
 
 from __future__ import annotations
 
 import sys
 
-from . import core, fused, harness, store
+from . import compiling, core, fused, harness, store
 
 
 def main(argv=None) -> int:
@@ -21,6 +23,8 @@ def main(argv=None) -> int:
         return fused.main(rest[1:])
     if rest[:1] == ["store"]:
         return store.main(rest[1:])
+    if rest[:1] == ["compile"]:
+        return compiling.main(rest[1:])
     return core.main(rest)
 
 

@@ -23,7 +23,9 @@ memory at N GiB" in the table instead of taking the machine down. Per case it re
 Implementations (``--impl``):
 
 * ``topkd``: ``topkd.topk_kl_loss`` and ``topkd.kl_loss`` (``divergence=`` for ``--divergence``
-  jsd and tvd).
+  jsd and tvd), one case per ``--kernels`` value (``impl=``: compile, eager, auto); the
+  **first call s** column is the process's first forward + backward, compiling (or loading
+  from inductor's on-disk cache) included.
 * ``naive``: **the plain float32 implementation as it was before topkd**, written here as the
   usual code does it: upcast student and teacher to float32, divide by T, ``log_softmax``
   over the full vocabulary for both, the teacher's top-K by ``torch.topk``, gather, the ghost
@@ -187,12 +189,12 @@ def prefix_topk_kl_loss(student_logits, teacher_logits, k, temperature=1.0):
     return loss
 
 
-def loss_function(impl, loss, divergence, k, temperature, chunk_bytes):
+def loss_function(impl, loss, divergence, k, temperature, chunk_bytes, kernels="auto"):
     """``fn(student_logits, teacher_logits) -> per-row loss`` of one case."""
     if impl == "topkd":
         import topkd
 
-        options = {"temperature": temperature, "chunk_bytes": chunk_bytes}
+        options = {"temperature": temperature, "chunk_bytes": chunk_bytes, "impl": kernels}
         if divergence == "jsd":
             options["divergence"] = topkd.JSD(beta=reference.JSD_BETA)
         elif divergence == "tvd":
@@ -236,7 +238,7 @@ def make_inputs(rows, vocab, dtype, seed, device):
     return student.requires_grad_(True), teacher
 
 
-def run_case(args, impl, loss_kind, divergence, rows) -> dict:
+def run_case(args, impl, loss_kind, divergence, rows, kernels="-") -> dict:
     """One case, in the child process: memory, time, and errors against float64."""
     result = {"mem_limit_gib": args.mem_limit_gib, "status": "error"}
     with harness.stages(result) as stage:
@@ -253,7 +255,7 @@ def run_case(args, impl, loss_kind, divergence, rows) -> dict:
         dtype = getattr(torch, args.dtype)
         stage(harness.IMPORT_STAGE)
         fn = loss_function(impl, loss_kind, divergence, args.k, args.temperature,
-                           args.chunk_bytes)
+                           args.chunk_bytes, kernels)
         stage("make inputs")
         student, teacher = make_inputs(rows, args.vocab, dtype, args.seed, args.device)
         logits_bytes = student.numel() * student.element_size()
@@ -266,6 +268,11 @@ def run_case(args, impl, loss_kind, divergence, rows) -> dict:
             out = fn(student, teacher)
             out.sum().backward()
             last["loss"] = out.detach()
+
+        # the process's first call: compiled kernels are built (or loaded) here
+        stage("forward + backward (first call)")
+        result["first_call_s"] = harness.first_call(step, sync)
+        student.grad = None
 
         # memory: one forward + backward under the profiler, inputs allocated before it
         stage("forward + backward (memory run)")
@@ -327,9 +334,10 @@ def _estimate_bytes(impl, loss, divergence, rows, vocab, dtype) -> float:
     return 2 * logits + f32_copies * rows * vocab * 4 + logits_copies * logits + _BASE_BYTES
 
 
-def _run_case(args, impl, loss, divergence, rows) -> dict:
+def _run_case(args, impl, loss, divergence, rows, kernels) -> dict:
     base = {
-        "impl": impl, "loss": LOSS_NAMES[loss], "divergence": divergence, "rows": rows,
+        "impl": impl, "kernels": kernels, "loss": LOSS_NAMES[loss], "divergence": divergence,
+        "rows": rows,
         "vocab": args.vocab, "k": args.k, "dtype": args.dtype, "temperature": args.temperature,
         "chunk_bytes": args.chunk_bytes, "device": args.device,
     }
@@ -346,13 +354,27 @@ def _run_case(args, impl, loss, divergence, rows) -> dict:
             return base
     settings = {**vars(args), "mem_limit_gib": limit}
     base.update(harness.run_child("topkd.bench.core:run_case", settings, impl, loss, divergence,
-                                  rows, timeout=args.timeout))
+                                  rows, kernels, timeout=args.timeout))
     return base
 
 
 def _loss_label(r) -> str:
     divergence = r.get("divergence", "kl")
     return r["loss"] if divergence == "kl" else f"{r['loss']} {DIVERGENCE_LABELS[divergence]}"
+
+
+def _fmt_first(r) -> str:
+    first = r.get("first_call_s")
+    return "-" if first is None else f"{first:.2f}"
+
+
+def _eager_of(results, r):
+    for o in results:
+        if (o["impl"] == "topkd" and o.get("kernels") == "eager" and o["loss"] == r["loss"]
+                and o["rows"] == r["rows"]
+                and o.get("divergence", "kl") == r.get("divergence", "kl")):
+            return o
+    return None
 
 
 def _naive_of(results, r):
@@ -376,16 +398,16 @@ def format_table(results, meta) -> str:
     if load:
         lines += ["", load]
     lines.append("")
-    lines.append("| impl | loss | rows | peak above inputs (MiB) | x logits "
-                 "| fwd+bwd s (median [min-max]) "
+    lines.append("| impl | kernels | loss | rows | peak above inputs (MiB) | x logits "
+                 "| fwd+bwd s (median [min-max]) | first call s "
                  "| vs naive | loss rel err | grad err (floor) |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     floors = []
     for r in results:
         label = IMPL_LABELS.get(r["impl"], r["impl"])
         if r["status"] != "ok":
-            lines.append(f"| {label} | {_loss_label(r)} | {r['rows']:,} "
-                         f"| {harness.status_text(r)} | - | - | - | - | - |")
+            lines.append(f"| {label} | {r.get('kernels', '-')} | {_loss_label(r)} "
+                         f"| {r['rows']:,} | {harness.status_text(r)} | - | - | - | - | - | - |")
             continue
         naive = _naive_of(results, r)
         vs = "-"
@@ -396,10 +418,11 @@ def format_table(results, meta) -> str:
         if r.get("grad_floor") is not None:
             floors.append(r["grad_floor"])
         lines.append(
-            f"| {label} | {_loss_label(r)} | {r['rows']:,} | {r['peak_bytes'] / MiB:,.0f} "
-            f"| {r['x_logits']:.2f} | {r['median_s']:.2f}{harness.spread(r.get('times_s'))} "
-            f"| {vs} | {fmt_err(r.get('loss_rel_err'))} | {fmt_err(r.get('grad_err'))} "
-            f"({fmt_err(r.get('grad_floor'))}) |"
+            f"| {label} | {r.get('kernels', '-')} | {_loss_label(r)} | {r['rows']:,} "
+            f"| {r['peak_bytes'] / MiB:,.0f} | {r['x_logits']:.2f} "
+            f"| {r['median_s']:.2f}{harness.spread(r.get('times_s'))} "
+            f"| {_fmt_first(r)} | {vs} | {fmt_err(r.get('loss_rel_err'))} "
+            f"| {fmt_err(r.get('grad_err'))} ({fmt_err(r.get('grad_floor'))}) |"
         )
     lines.append("")
     lines.append(
@@ -440,6 +463,20 @@ def format_table(results, meta) -> str:
             else:
                 mem = tim = f"topkd: {harness.status_text(r, short=True)}"
             lines.append(f"| {_loss_label(r)} | {r['rows']:,} | {mem} | {tim} |")
+    pairs = [(r, _eager_of(results, r)) for r in results
+             if r["impl"] == "topkd" and r.get("kernels") not in ("eager", None)]
+    pairs = [(r, eager) for r, eager in pairs if eager is not None]
+    if pairs:
+        lines.append("")
+        lines.append("topkd compiled / eager kernels (steady state):")
+        lines.append("")
+        lines.append("| kernels | loss | rows | memory (peak above inputs) | time (fwd+bwd) |")
+        lines.append("|---|---|---:|---:|---:|")
+        for r, eager in pairs:
+            if r["status"] == "ok" and eager["status"] == "ok":
+                lines.append(f"| {r['kernels']} | {_loss_label(r)} | {r['rows']:,} "
+                             f"| {r['peak_bytes'] / eager['peak_bytes']:.3f} "
+                             f"| {r['median_s'] / eager['median_s']:.2f} |")
     notes = [r for r in results if r["status"] != "ok" and r.get("message")]
     if notes:
         lines.append("")
@@ -496,6 +533,7 @@ def build_parser():
                         "(default kl)")
     p.add_argument("--chunk-bytes", type=harness.int_bytes, default=None,
                    help="chunk_bytes passed to topkd (e.g. 64MiB; default: the library's)")
+    harness.add_kernel_options(p)
     harness.add_process_options(p)
     p.add_argument("--no-estimate", dest="estimate", action="store_false",
                    help="start every case even when the memory estimate exceeds the cap")
@@ -519,16 +557,17 @@ def main(argv) -> int:
         harness.show_saved(args, _show)
         return 0
     args.rows = [r for group in args.rows for r in group]
-    cases = [(impl, loss, divergence, rows) for loss in LOSSES if loss in args.loss
+    cases = [(impl, loss, divergence, rows, kernels) for loss in LOSSES if loss in args.loss
              for divergence in reference.DIVERGENCES if divergence in args.divergence
              for rows in args.rows for impl in IMPLS if impl in args.impl
+             for kernels in (args.kernels if impl == "topkd" else ["-"])
              if not (impl == "prefix" and (loss, divergence) != ("topk", "kl"))]
     t_start = time.perf_counter()
     load_start = harness.loadavg()
 
     def describe(case):
-        impl, loss, divergence, rows = case
-        return (f"{IMPL_LABELS[impl]} "
+        impl, loss, divergence, rows, kernels = case
+        return (f"{IMPL_LABELS[impl]}{'' if kernels == '-' else f' ({kernels})'} "
                 f"{_loss_label({'loss': LOSS_NAMES[loss], 'divergence': divergence})} "
                 f"rows={rows}")
 
@@ -547,6 +586,7 @@ def main(argv) -> int:
         "chunk_bytes": args.chunk_bytes if args.chunk_bytes is not None else "default",
         "repeats": args.repeats, "mem_limit_gib": args.mem_limit_gib,
         "sample_rows": args.sample_rows, "divergences": args.divergence,
+        "kernels": args.kernels,
         **harness.run_meta("", argv, t_start, load_start),
     }
     harness.emit(args, {"meta": meta, "results": results}, _show)

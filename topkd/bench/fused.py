@@ -163,7 +163,8 @@ def loss_function(impl, loss_kind, args, chunk_size=None):
     if impl in ("fused", "unfused"):
         import topkd
 
-        options = {"temperature": temperature, "reduction": reduction, "chunk_bytes": chunk_bytes}
+        options = {"temperature": temperature, "reduction": reduction, "chunk_bytes": chunk_bytes,
+                   "impl": getattr(args, "case_kernels", "auto")}
         if loss_kind == "jsd":
             options["divergence"] = topkd.JSD(beta=BETA)
         if (impl, loss_kind) == ("fused", "topk"):
@@ -302,10 +303,11 @@ def _version(impl):
     return "trl_version", version("trl")
 
 
-def run_case(args, impl, loss_kind) -> dict:
+def run_case(args, impl, loss_kind, kernels="-") -> dict:
     """One case, in the child process: memory, time, and errors against float64."""
-    result = {"impl": impl, "loss": loss_kind, "status": "error",
+    result = {"impl": impl, "loss": loss_kind, "kernels": kernels, "status": "error",
               "mem_limit_gib": args.mem_limit_gib}
+    args.case_kernels = kernels
     with harness.stages(result) as stage:
         stage("import torch")
         import torch
@@ -333,8 +335,8 @@ def run_case(args, impl, loss_kind) -> dict:
             (out.sum() if out.dim() else out).backward()
             last["loss"] = float(out.detach().double().sum() if out.dim() else out.item())
 
-        stage("forward + backward (warm-up)")
-        result["warmup_s"] = harness.timed(step, 1)[0]
+        stage("forward + backward (first call)")
+        result["first_call_s"] = harness.first_call(step)
         hidden.grad = weight.grad = None
 
         stage("forward + backward (memory run)")
@@ -513,12 +515,12 @@ class _Problem:
 # --------------------------------------------------------------------------------------------
 
 
-def _run_case(args, impl, loss) -> dict:
+def _run_case(args, impl, loss, kernels) -> dict:
     limit = harness.memory_limit(args.mem_limit_gib)
-    result = {"impl": impl, "loss": loss, "mem_limit_gib": limit}
+    result = {"impl": impl, "loss": loss, "kernels": kernels, "mem_limit_gib": limit}
     result.update(harness.run_child("topkd.bench.fused:run_case",
                                     {**vars(args), "mem_limit_gib": limit}, impl, loss,
-                                    timeout=args.timeout))
+                                    kernels, timeout=args.timeout))
     return result
 
 
@@ -526,11 +528,16 @@ def _ok(r):
     return r is not None and r.get("status") == "ok"
 
 
-def _find(results, impl, loss):
+def _find(results, impl, loss, kernels="-"):
     for r in results:
-        if r["impl"] == impl and r["loss"] == loss:
+        if r["impl"] == impl and r["loss"] == loss and r.get("kernels", "-") in (kernels, "-"):
             return r
     return None
+
+
+def _label(r) -> str:
+    kernels = r.get("kernels", "-")
+    return IMPL_LABELS[r["impl"]] + ("" if kernels == "-" else f" ({kernels})")
 
 
 def format_table(results, meta) -> str:
@@ -551,24 +558,26 @@ def format_table(results, meta) -> str:
     if load:
         lines += ["", f"{load} Student logits would take {meta['logits_bytes'] / MiB:,.0f} MiB."]
     lines += ["",
-              "| impl | loss | teacher | peak above inputs excl. grads (MiB) | x logits "
-              "| raw peak (MiB) | excluded (MiB) | fwd+bwd s (median [min-max]) "
-              "| loss rel err | loss rel err, exact products | hidden grad err (floor) "
-              "| weight grad err (floor) |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| impl | kernels | loss | teacher | peak above inputs excl. grads (MiB) "
+              "| x logits | raw peak (MiB) | excluded (MiB) | fwd+bwd s (median [min-max]) "
+              "| first call s | loss rel err | loss rel err, exact products "
+              "| hidden grad err (floor) | weight grad err (floor) |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         label = IMPL_LABELS[r["impl"]]
+        kernels = r.get("kernels", "-")
         what = LOSS_LABELS[(r["impl"], r["loss"])]
         teacher = TEACHER_LABELS[r["loss"]]
         if r["status"] != "ok":
-            lines.append(f"| {label} | {what} | {teacher} | {harness.status_text(r)} "
-                         "| - | - | - | - | - | - | - | - |")
+            lines.append(f"| {label} | {kernels} | {what} | {teacher} | "
+                         f"{harness.status_text(r)} | - | - | - | - | - | - | - | - | - |")
             continue
+        first = r.get("first_call_s", r.get("warmup_s"))
         lines.append(
-            f"| {label} | {what} | {teacher} | {r['peak_bytes'] / MiB:,.0f} "
+            f"| {label} | {kernels} | {what} | {teacher} | {r['peak_bytes'] / MiB:,.0f} "
             f"| {r['x_logits']:.3f} | {r['raw_peak_bytes'] / MiB:,.0f} "
             f"| {r['excluded_bytes'] / MiB:,.0f} | {r['median_s']:.2f}"
-            f"{harness.spread(r.get('times_s'))} "
+            f"{harness.spread(r.get('times_s'))} | {'-' if first is None else f'{first:.2f}'} "
             f"| {f(r.get('loss_rel_err'))} | {f(r.get('loss_rel_err_exact'))} "
             f"| {f(r.get('grad_hidden_err'))} ({f(r.get('grad_hidden_floor'))}) "
             f"| {f(r.get('grad_weight_err'))} ({f(r.get('grad_weight_floor'))}) |")
@@ -589,14 +598,18 @@ def format_table(results, meta) -> str:
     ]
     pairs = []
     for loss in LOSSES:
-        fu = _find(results, "fused", loss)
-        if fu is None:
-            continue
-        for other in ("unfused", "liger", "trl"):
-            o = _find(results, other, loss)
-            if o is not None:
-                name = RATIO_LABELS["unfused" if other == "unfused" else (other, loss)]
-                pairs.append((f"{LOSS_LABELS[('fused', loss)]} / {name}", fu, o))
+        for fu in (r for r in results if r["impl"] == "fused" and r["loss"] == loss):
+            kernels = fu.get("kernels", "-")
+            tag = "" if kernels == "-" else f" ({kernels})"
+            for other in ("unfused", "liger", "trl"):
+                o = _find(results, other, loss, kernels)
+                if o is not None:
+                    name = RATIO_LABELS["unfused" if other == "unfused" else (other, loss)]
+                    pairs.append((f"{LOSS_LABELS[('fused', loss)]}{tag} / {name}"
+                                  f"{tag if other == 'unfused' else ''}", fu, o))
+            eager = _find(results, "fused", loss, "eager")
+            if kernels not in ("eager", "-") and eager is not None and eager is not fu:
+                pairs.append((f"{LOSS_LABELS[('fused', loss)]}{tag} / (eager)", fu, eager))
     if pairs:
         lines += ["", "| ratio | memory (peak excl. grads) | memory (raw peak) | time (fwd+bwd) "
                       "| hidden grad err | weight grad err |", "|---|---:|---:|---:|---:|---:|"]
@@ -610,17 +623,17 @@ def format_table(results, meta) -> str:
                     f"| {a['grad_weight_err'] / b['grad_weight_err']:.3g} |")
             else:
                 bad = a if not _ok(a) else b
-                lines.append(f"| {name} | {IMPL_LABELS[bad['impl']]}: {bad['status']} | - | - "
+                lines.append(f"| {name} | {_label(bad)}: {bad['status']} | - | - "
                              "| - | - |")
     full = [r for r in results if _ok(r)]
     if full:
         lines += ["", "Full-run loss values: " + "; ".join(
-            f"{IMPL_LABELS[r['impl']]} {r['loss']} {r['loss_value']:.7g}" for r in full)]
+            f"{_label(r)} {r['loss']} {r['loss_value']:.7g}" for r in full)]
     notes = [r for r in results if r["status"] != "ok" and r.get("message")]
     if notes:
         lines.append("")
         for r in notes:
-            lines.append(f"- {IMPL_LABELS[r['impl']]} {r['loss']}: {r['message'][:600]}")
+            lines.append(f"- {_label(r)} {r['loss']}: {r['message'][:600]}")
     v = meta.get("verify")
     if v:
         lines += ["", f"Agreement check ({v.get('shape')}): "
@@ -671,6 +684,7 @@ def build_parser():
                    help="LigerFusedLinearJSDLoss chunk_size (its default 1024)")
     p.add_argument("--liger-no-compile", dest="liger_compiled", action="store_false",
                    help="Liger with compiled=False (default: its default compiled=True)")
+    harness.add_kernel_options(p)
     harness.add_process_options(p)
     p.add_argument("--sample-rows", type=int, default=8, help="rows for the float64 check (8)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed for the inputs (0)")
@@ -690,7 +704,8 @@ def main(argv) -> int:
         harness.show_saved(args, _show)
         return 0
 
-    cases = [(i, lo) for i, lo in CASES if i in args.impl and lo in args.loss]
+    cases = [(i, lo, kernels) for i, lo in CASES if i in args.impl and lo in args.loss
+             for kernels in (args.kernels if i in ("fused", "unfused") else ["-"])]
     t_start = time.perf_counter()
     load_start = harness.loadavg()
 
@@ -700,7 +715,8 @@ def main(argv) -> int:
                 f"MiB, {r['median_s']:.2f} s, loss err {harness.fmt_err(r['loss_rel_err'])}")
 
     results = harness.run_cases(
-        cases, lambda case: f"{IMPL_LABELS[case[0]]} {LOSS_LABELS[case]}",
+        cases, lambda case: f"{_label({'impl': case[0], 'kernels': case[2]})} "
+                            f"{LOSS_LABELS[case[:2]]}",
         lambda case: _run_case(args, *case), summarize)
     verify = None
     if args.verify and "liger" in args.impl:
@@ -722,7 +738,7 @@ def main(argv) -> int:
         "chunk_bytes": args.chunk_bytes if args.chunk_bytes is not None else "default",
         "sample_rows": args.sample_rows, "liger_version": version("liger_version"),
         "liger_chunk_size": args.liger_chunk_size, "liger_compiled": args.liger_compiled,
-        "trl_version": version("trl_version"),
+        "trl_version": version("trl_version"), "kernels": args.kernels,
         "logits_bytes": args.tokens * args.vocab * harness.DTYPE_BYTES[args.dtype],
         **harness.run_meta("fused", argv, t_start, load_start), "verify": verify,
     }

@@ -65,16 +65,17 @@ def memory_limit(limit_gib: float) -> float:
 
 
 def run_child(target: str, settings: dict, *job, timeout: float | None,
-              echo: bool = False) -> dict:
+              echo: bool = False, env: dict | None = None) -> dict:
     """Run ``target(argparse.Namespace(**settings), *job)`` in a fresh Python process.
 
     ``target`` is ``"module:function"``; it returns a JSON-able dict, which is returned here.
     A child that leaves no result gives ``{"status": "oom" | "crashed" | "timeout",
     "message": ...}`` (``oom`` when it was killed by SIGKILL, as the kernel's OOM killer
     does). With ``echo``, the lines the child wrote to stderr indented by two spaces (its
-    progress) are printed to this process's stderr once it ends.
+    progress) are printed to this process's stderr once it ends. ``env``: variables set for
+    the child on top of this process's.
     """
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="topkd-bench-") as tmp:
         spec_path = os.path.join(tmp, "spec.json")
@@ -192,6 +193,26 @@ def add_process_options(p, *, mem_limit: bool = True) -> None:
                        help="address-space cap per case, GiB above the process's size after "
                             "its imports; lowered to MemAvailable - 1 GiB if that is less; "
                             "0 = no cap (20)")
+
+
+KERNELS = ("compile", "eager", "auto")
+
+
+def add_kernel_options(p) -> None:
+    """``--kernels``: the ``impl=`` values topkd's cases run with (one case each)."""
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["compile", "eager"],
+                   help="topkd's impl= for its cases, one case each (default: compile eager); "
+                        "the first call of a compiled case includes compiling, reported apart")
+
+
+def first_call(step, sync=None) -> float:
+    """Seconds of the process's first ``step()``: with compiled kernels, their compiling (or
+    loading from inductor's on-disk cache) included."""
+    start = time.perf_counter()
+    step()
+    if sync is not None:
+        sync()
+    return time.perf_counter() - start
 
 
 def add_output_options(p) -> None:
