@@ -1,8 +1,12 @@
 import os
 import sys
 
-import pytest
-import torch
+# Inductor compiles in this process rather than in a pool of compile workers: on a 2-core
+# machine (and in every spawned rank) starting the pool costs more than it saves.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)

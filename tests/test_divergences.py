@@ -25,9 +25,6 @@ from helpers import (
 
 import topkd
 
-# float64-reference checks: run for the eager and the compiled kernels (conftest.py)
-pytestmark = pytest.mark.usefixtures("both_impls")
-
 LEAD = (3, 5)  # 15 rows
 V = 64
 K = 6
@@ -211,6 +208,7 @@ def _matrix():
     return cases
 
 
+@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("path,div,dtype,T,reduction", _matrix())
 def test_divergence_matches_reference(path, div, dtype, T, reduction):
     d = _data(dtype, seed=1)
@@ -459,6 +457,7 @@ def test_modules_take_labels_per_call():
 
 # ------------------------------------------------------- 4. softcap and logit scale (fused)
 
+@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 @pytest.mark.parametrize("path,transforms", [
     ("fused_topk_pair", dict(logit_scale=0.6, softcap=4.0, teacher_logit_scale=1.5,

@@ -18,9 +18,6 @@ from helpers import LOSS_RTOL, WorkRecorder, assert_loss_close, grad_err, memory
 
 import topkd
 
-# float64-reference checks: run for the eager and the compiled kernels (conftest.py)
-pytestmark = pytest.mark.usefixtures("both_impls")
-
 LEAD = (3, 5)  # 15 rows
 H = 32  # student hidden width
 H_T = 24  # teacher hidden width (differs from the student's on purpose)
@@ -363,6 +360,7 @@ def test_fp32_matches_float64_reference(loss, teacher, opts, chunk_bytes):
                                    f"{loss} {teacher}")
 
 
+@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 @pytest.mark.parametrize("chunk_bytes", [1, None], ids=["chunk1row", "chunkDefault"])
 @pytest.mark.parametrize("loss,teacher,opts", REF_CASES, ids=REF_IDS)
@@ -540,6 +538,7 @@ def _peak_not_counting(fn, allowed):
     return peak, raw
 
 
+@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("loss,teacher,rows,chunk_bytes,options", [
     ("topk", "logits", MEM_ROWS, None, {}), ("topk", "pair", MEM_ROWS, 1 << 20, {}),
     # small batches: blocks of fewer than 64 rows take the float32 weight-product path

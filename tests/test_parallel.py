@@ -38,3 +38,13 @@ def test_three_ranks(tmp_path):
         (37, [10, 15, 12], 24),  # the last shard is padding only
     ]
     _spawn(3, layouts, False, tmp_path)
+
+
+def test_two_ranks_compiled(tmp_path, monkeypatch):
+    """The compiled kernels between the collectives (every rank compiles its own; a few
+    cases, see tp_worker.COMPILED_CASES)."""
+    monkeypatch.setenv("TOPKD_IMPL", "compile")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile-worker pool per rank
+    helpers.spawn_ranks(tp_worker.compiled_worker, 2, (2, helpers.free_port(),
+                                                       [(37, [20, 17], 34)], str(tmp_path)),
+                        tmp_path, DEADLINE_S)

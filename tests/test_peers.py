@@ -49,9 +49,6 @@ from helpers import grad_err
 
 import topkd
 
-# float64-reference checks: run for the eager and the compiled kernels (conftest.py)
-pytestmark = pytest.mark.usefixtures("both_impls")
-
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 pytest.importorskip("trl")
 pytest.importorskip("liger_kernel")

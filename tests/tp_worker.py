@@ -243,7 +243,7 @@ def compare_reference(name, failures, parts_tp, ref_parts, grads):
         failures.append(f"[{name} vs reference] {e}")
 
 
-def run_layout(group, rank, width, sizes, vocab_size, failures, seed=0):
+def run_layout(group, rank, width, sizes, vocab_size, failures, seed=0, names=None):
     world = dist.get_world_size(group)
     assert len(sizes) == world and sum(sizes) == width
     start = sum(sizes[:rank])
@@ -257,6 +257,8 @@ def run_layout(group, rank, width, sizes, vocab_size, failures, seed=0):
     vs = {} if vocab_size is None else {"vocab_size": vocab_size}
     cases = [(c, False) for c in _cases(k_small, width, vocab_size)]
     cases += [(c, True) for c in _objective_cases(k_small)]
+    if names is not None:  # a subset (the compiled kernels' run)
+        cases = [c for c in cases if c[0][0] in names]
     for (name, fn, opts), check_ref in cases:
         opts = dict(opts)
         if opts.pop("mask", False):
@@ -484,5 +486,20 @@ def worker(rank, world, port, layouts, check_comm, result_dir):
         if check_comm:
             run_communication(group, rank, failures)
         run_edge_cases(group, rank, failures)
+
+    run_rank(rank, world, port, result_dir, body)
+
+
+# The compiled kernels' run: each rank compiles its own kernels, so a few cases that cover
+# both paths, the mean (one-pass) and the CE term with its own normalizer.
+COMPILED_CASES = ("topk k=small top_p reverse T", "topk mask mean chunk_bytes=1", "kl",
+                  "kl JSD(0.1) ce T=2 mask mean chunk_bytes=1", "topk JSD(0.1) ce T=2 mask mean")
+
+
+def compiled_worker(rank, world, port, layouts, result_dir):
+    def body(group, failures):
+        for width, sizes, vocab_size in layouts:
+            run_layout(group, rank, width, sizes, vocab_size, failures,
+                       names=COMPILED_CASES)
 
     run_rank(rank, world, port, result_dir, body)

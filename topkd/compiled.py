@@ -91,18 +91,33 @@ def _function_mode_active() -> bool:
                for mode in _get_current_function_mode_stack())
 
 
-def _compiled(fn):
+def _compiled(fn=None, *, rows: bool = True):
     """``fn`` compiled lazily (once per process, dynamic shapes), called with a recompile
-    limit of its own."""
+    limit of its own.
+
+    ``rows``: every tensor argument and result is row-major ``[r, ...]``, and a call with one
+    row runs as two (the row twice, the result's first row kept). A kernel built for a static
+    size of one (dynamo specializes sizes 0 and 1) may sum a row in another order than the one
+    built for any height, and a row's result must not depend on how the rows were chunked."""
+    if fn is None:
+        return functools.partial(_compiled, rows=rows)
     state = {}
 
     @functools.wraps(fn)
-    def call(*args, **kwargs):
+    def call(*args):
         if "fn" not in state:
             state["fn"] = torch.compile(fn, dynamic=True)
+        single = rows and next(a for a in args if isinstance(a, torch.Tensor)).shape[0] == 1
+        if single:
+            args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
                                         accumulated_recompile_limit=4 * _RECOMPILE_LIMIT):
-            return state["fn"](*args, **kwargs)
+            out = state["fn"](*args)
+        if not single:
+            return out
+        if isinstance(out, torch.Tensor):
+            return out[:1]
+        return tuple(x[:1] for x in out)
 
     call.eager = fn
     return call
@@ -305,7 +320,7 @@ def log_sum_exp(b, center):
     return torch.exp(b - _finite(center)[:, None]).sum(-1).log()
 
 
-@_compiled
+@_compiled(rows=False)
 def accumulate_(accumulator, product):
     """``accumulator += product`` (float32 += any float dtype) in one pass, in place."""
     accumulator.add_(product.float())

@@ -73,10 +73,18 @@ def local_columns(indices: torch.Tensor, offset: int, valid: int) -> torch.Tenso
     return torch.where(on_rank, local, torch.full_like(local, valid))
 
 
-def row_chunk_count(chunk_bytes, rows: int, widest: int, element_size: int, buffers: int) -> int:
+def row_chunk_count(chunk_bytes, rows: int, widest: int, element_size: int, buffers: int,
+                    compiled: bool = False) -> int:
     """Rows per chunk, from numbers every rank shares: ``buffers`` float32 rows of the widest
-    shard (+1 spare column) within the budget (default ``min(64 MiB, logits / 16)``)."""
-    return chunk_rows(chunk_bytes, widest + 1, rows, element_size, buffers)
+    shard (+1 spare column) within the budget (default ``min(64 MiB, logits / 16)``); at least
+    two for the compiled kernels (:func:`least_rows`)."""
+    return least_rows(chunk_rows(chunk_bytes, widest + 1, rows, element_size, buffers), compiled)
+
+
+def least_rows(per: int, compiled: bool) -> int:
+    """The compiled kernels take chunks of two rows or more (a one-row call is run as two:
+    see :func:`topkd.compiled._compiled`), so their loops never cut single rows."""
+    return max(per, 2) if compiled else per
 
 
 # ---- collectives ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, parallel
-from .engine import Call, Config, path_class
+from .engine import Call, Config, least_rows, path_class
 from .losses import (
     KL_OPTIONS,
     TOPK_OPTIONS,
@@ -24,7 +24,15 @@ from .losses import (
     sparse_tensors,
 )
 from .select import select_rows
-from .sources import BlockedRows, LinearRows, Rows, budget_bytes, chunk_rows, product_dtype
+from .sources import (
+    MIN_CHUNK_BYTES,
+    BlockedRows,
+    LinearRows,
+    Rows,
+    budget_bytes,
+    chunk_rows,
+    product_dtype,
+)
 from .teacher import SparseTeacher
 
 
@@ -62,20 +70,27 @@ _FUSED_FRACTION = 5
 _TEACHER_BLOCK_DIVISOR = 4
 
 
-def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks):
+def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks, compiled=False):
     """``(work chunk rows, student block rows, teacher block rows)``, the teacher's only with
     ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the engine
     combines statistics per chunk, so every rank must cut the same chunks. One-pass losses
     stage the student's gradient in its own blocks; the two-pass ones hold a stage of that many
     rows but no student block."""
     width = shard.widest + 1
-    total = chunk_bytes
+    total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // 5
     if total is None:
-        total = max(1, min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION))
+        # By default at least 1 MiB, all of it for the work chunks if need be: at small shapes
+        # the per-chunk overhead, not the products' speed or the memory, is what counts.
+        total = min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION)
+        total = max(total, MIN_CHUNK_BYTES)
+        work = max(total // 5, MIN_CHUNK_BYTES)
     row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
-    per = chunk_rows(total // 5, width, rows, element, buffers=buffers)
-    # Whole chunks per block: a block starts at a chunk, so a remainder would be made again.
-    block = max(per, int(total * 4 // 5 // row_bytes) // per * per)
+    per = least_rows(chunk_rows(work, width, rows, element, buffers=buffers), compiled)
+    # The blocks get what the work chunks leave (at least 4/5, unless a chunk had to be made
+    # taller than its fifth), in whole chunks: a block starts at a chunk, so a remainder would
+    # be made again.
+    rest = max(0, total - per * 4 * width * buffers)
+    block = max(per, int(rest // row_bytes) // per * per)
     teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
     return per, block, teacher_block
 
@@ -147,7 +162,7 @@ def _config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels,
     buffers = max(3, path_class(cfg, sparse).buffers(cfg, labels))
     element = product_dtype(hidden.dtype, weight.dtype).itemsize
     per, block, teacher_block = _budget(chunk_bytes, shard, n, element, buffers,
-                                        teacher_blocks)
+                                        teacher_blocks, cfg.compiled)
     return Config(**{**cfg.__dict__, "rows_per_chunk": per, "block_rows": block,
                      "teacher_block_rows": teacher_block})
 

@@ -111,7 +111,7 @@ def _logits_config(fields, temperature, normalize, shard, vocab, group, chunk_by
                  valid=shard.valid(vocab), group=group, **fields)
     path = path_class(cfg, sparse)
     per, backward = (row_chunk_count(chunk_bytes, n, shard.widest, element_size,
-                                     path.buffers(cfg, labels, backward))
+                                     path.buffers(cfg, labels, backward), cfg.compiled)
                      for backward in (False, True))
     return Config(**{**cfg.__dict__, "rows_per_chunk": per, "backward_rows_per_chunk": backward})
 

@@ -115,6 +115,7 @@ def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes,
         return values, indices, rest_max, rest_logsum
     per = chunk_rows(budget_factor * budget_bytes(chunk_bytes, n, valid, rows.element_size),
                      valid, n, 4)
+    per = max(per, 2) if use_compiled else per  # (as engine.least_rows)
     for start, stop in row_chunks(n, per):
         # the chunk's one large buffer
         low = rows.low_chunk(start, stop, valid)

@@ -21,6 +21,9 @@ from . import compiled as compiled_kernels
 # at every size (see README, "Choosing chunk_bytes").
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 _DEFAULT_FRACTION = 16
+# ... but never below this: at small shapes (a few MiB of logits) the per-chunk overhead, not
+# memory, is what a smaller chunk would change.
+MIN_CHUNK_BYTES = 2**20
 
 
 class Rows:
@@ -325,10 +328,11 @@ class LinearGradient:
 
 
 def budget_bytes(chunk_bytes: int | None, rows: int, width: int, element_bytes: int) -> int:
-    """``chunk_bytes``, or by default ``min(64 MiB, logits bytes / 16)`` for logits of
-    ``rows x width`` elements of ``element_bytes`` each."""
+    """``chunk_bytes``, or by default ``min(64 MiB, max(1 MiB, logits bytes / 16))`` for
+    logits of ``rows x width`` elements of ``element_bytes`` each."""
     if chunk_bytes is None:
-        return min(DEFAULT_CHUNK_BYTES, rows * width * element_bytes // _DEFAULT_FRACTION)
+        fraction = rows * width * element_bytes // _DEFAULT_FRACTION
+        return min(DEFAULT_CHUNK_BYTES, max(MIN_CHUNK_BYTES, fraction))
     return int(chunk_bytes)
 
 
@@ -341,15 +345,6 @@ def chunk_rows(chunk_bytes: int | None, width: int, rows: int, element_bytes: in
 
 
 def row_chunks(rows: int, per_chunk: int):
-    """``(start, stop)`` pairs covering ``range(rows)``, of ``per_chunk`` rows but never of one
-    row when there are more: a compiled kernel built for a single row (a static size of 1)
-    may sum in another order than the one built for any height, and a row's result must not
-    depend on the chunking. A last chunk of one row joins the one before it."""
-    per_chunk = max(per_chunk, 2)
+    """``(start, stop)`` pairs covering ``range(rows)``."""
     for start in range(0, rows, per_chunk):
-        stop = min(rows, start + per_chunk)
-        if stop == rows - 1:
-            stop = rows
-        yield start, stop
-        if stop == rows:
-            return
+        yield start, min(rows, start + per_chunk)
