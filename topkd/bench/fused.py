@@ -535,6 +535,15 @@ def _find(results, impl, loss, kernels="-"):
     return None
 
 
+def _fmt_time(r) -> str:
+    """Seconds with their spread, or milliseconds below 0.1 s (the small shapes)."""
+    times = r.get("times_s") or []
+    if r["median_s"] >= 0.1:
+        return f"{r['median_s']:.2f}{harness.spread(times)}"
+    ms = [1e3 * t for t in times]
+    return f"{1e3 * r['median_s']:.1f} ms" + (f" [{min(ms):.1f}-{max(ms):.1f}]" if ms else "")
+
+
 def _label(r) -> str:
     kernels = r.get("kernels", "-")
     return IMPL_LABELS[r["impl"]] + ("" if kernels == "-" else f" ({kernels})")
@@ -576,8 +585,8 @@ def format_table(results, meta) -> str:
         lines.append(
             f"| {label} | {kernels} | {what} | {teacher} | {r['peak_bytes'] / MiB:,.0f} "
             f"| {r['x_logits']:.3f} | {r['raw_peak_bytes'] / MiB:,.0f} "
-            f"| {r['excluded_bytes'] / MiB:,.0f} | {r['median_s']:.2f}"
-            f"{harness.spread(r.get('times_s'))} | {'-' if first is None else f'{first:.2f}'} "
+            f"| {r['excluded_bytes'] / MiB:,.0f} | {_fmt_time(r)} "
+            f"| {'-' if first is None else f'{first:.2f}'} "
             f"| {f(r.get('loss_rel_err'))} | {f(r.get('loss_rel_err_exact'))} "
             f"| {f(r.get('grad_hidden_err'))} ({f(r.get('grad_hidden_floor'))}) "
             f"| {f(r.get('grad_weight_err'))} ({f(r.get('grad_weight_floor'))}) |")
