@@ -12,6 +12,10 @@ head's hidden, weight and bias gradients). Two paths:
 - :class:`DensePath`: the teacher is a whole distribution (logits or an LM head); the
   divergence's terms run over every vocabulary entry.
 
+With ``impl="compile"`` the paths' compiled twins (:class:`CompiledSparsePath`,
+:class:`CompiledDensePath`) run the per-chunk math as kernels of :mod:`topkd.compiled`; the
+driver, the combines and the autograd Functions are the same.
+
 Two autograd Functions use the driver: :class:`RowLoss` returns per-row values and writes the
 gradient in backward (a second pass); :class:`ScalarLoss`, for a loss reduced to a scalar,
 writes the gradients in forward (one pass) and saves them for backward to scale.

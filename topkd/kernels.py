@@ -3,7 +3,7 @@
 Each takes the chunk as it comes from its source (``low``, ``[r, W]`` in the logits' own dtype)
 or the float32 buffer made from it, plus per-row statistics, and returns float32 results. The
 engine (:mod:`topkd.engine`) drives them chunk by chunk and does every collective in between.
-These functions are the seam for compiled kernels: nothing in them depends on the device.
+Nothing in them depends on the device; :mod:`topkd.compiled` holds their compiled twins.
 
 Everything is computed relative to row maxima: softmax is rebuilt from the row max and the
 centered sums, never as ``exp(a - A)`` with a rounded absolute log-normalizer ``A``.
