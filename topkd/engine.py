@@ -34,7 +34,7 @@ import torch
 from . import compiled, kernels, parallel
 from .divergences import Divergence
 from .kernels import finite_or_zero
-from .sources import BlockedRows, LinearRows, Rows, chunk_rows, row_chunks
+from .sources import BlockedRows, LinearRows, Rows, chunk_rows, least_rows, row_chunks
 
 
 class LossParts(NamedTuple):
@@ -85,12 +85,6 @@ def row_chunk_count(chunk_bytes, rows: int, widest: int, element_size: int, buff
     return least_rows(chunk_rows(chunk_bytes, widest + 1, rows, element_size, buffers), compiled)
 
 
-def least_rows(per: int, compiled: bool) -> int:
-    """The compiled kernels take chunks of two rows or more (a one-row call is run as two:
-    see :func:`topkd.compiled._compiled`), so their loops never cut single rows."""
-    return max(per, 2) if compiled else per
-
-
 # ---- collectives ------------------------------------------------------------------------
 
 
@@ -139,6 +133,24 @@ class _Labels:
         labels = self.labels[start:stop]
         return torch.where(labels == self.cfg.ignore_index, -1, labels)
 
+    @property
+    def own_normalizer(self) -> bool:
+        """Whether the CE term needs its own temperature-1 normalizer (labels at T != 1)."""
+        return self.labels is not None and not self.folded
+
+    def normalizer(self, low):
+        """The CE's own ``(max, centered sum)`` of a chunk, or None when it shares KD's."""
+        if not self.own_normalizer:
+            return None
+        return kernels.log_normalizer(kernels.logits_(kernels.widen(low), self.cfg.logit_scale,
+                                                      self.cfg.softcap))
+
+    def compiled_extras(self, extra, label_columns):
+        """``(label logit, CE normalizer)`` from a compiled statistics kernel's extra
+        results (see :func:`topkd.compiled._label_statistics`)."""
+        z_label = extra[0] if label_columns is not None else None
+        return z_label, tuple(extra[-2:]) if self.own_normalizer else None
+
     def has(self, start: int, stop: int):
         return self.labels[start:stop] != self.cfg.ignore_index
 
@@ -184,20 +196,11 @@ class SparsePath:
                                   label_columns)
         return low, a, label_columns, z_label
 
-    def _ce_normalizer(self, low):
-        """The temperature-1 normalizer ``(max, centered sum)`` when the CE term needs its
-        own (labels at T != 1), else None."""
-        cfg, labels = self.cfg, self.labels
-        if labels.labels is None or labels.folded:
-            return None
-        return kernels.log_normalizer(kernels.logits_(kernels.widen(low), cfg.logit_scale,
-                                                      cfg.softcap))
-
     def _local(self, start, stop, columns):
         """``(state, (selected, ghost max, ghost sum, label logit, CE normalizer))`` of this
         shard's chunk; the state is what :meth:`gradient` needs."""
         low, a, label_columns, z_label = self._read(start, stop, self.labels.labels is not None)
-        ce_norm = self._ce_normalizer(low)
+        ce_norm = self.labels.normalizer(low)
         selected, rest_max, rest_sum = kernels.sparse_statistics(a, columns)
         return (low, a, columns, label_columns, rest_max), (selected, rest_max, rest_sum,
                                                             z_label, ce_norm)
@@ -302,18 +305,17 @@ class CompiledSparsePath(SparsePath):
 
     @staticmethod
     def buffers(cfg: Config, labels, backward: bool = False) -> int:
-        return 1  # the gradient chunk (and a bool mask of the kept columns)
+        # the gradient chunk; the float32 kept-column bias (compiled.kept_bias) is not counted
+        return 1
 
     def _local(self, start, stop, columns):
         cfg, labels = self.cfg, self.labels
         low = self.student.low_chunk(start, stop, cfg.valid)
         label_columns = labels.columns(start, stop)
-        ce = labels.labels is not None and not labels.folded
         selected, rest_max, rest_sum, *extra = compiled.sparse_statistics(
             low, columns, compiled.kept_bias(columns, low.shape[1]), label_columns,
-            cfg.temperature, cfg.logit_scale, cfg.softcap, ce)
-        z_label = extra[0] if label_columns is not None else None
-        ce_norm = tuple(extra[-2:]) if ce else None
+            cfg.temperature, cfg.logit_scale, cfg.softcap, labels.own_normalizer)
+        z_label, ce_norm = labels.compiled_extras(extra, label_columns)
         return (low, columns, label_columns), (selected, rest_max, rest_sum, z_label, ce_norm)
 
     def refresh(self, start, stop, rows):
@@ -363,7 +365,7 @@ class DensePath:
     def _local(self, start, stop, label_columns):
         """``(state, local maxima [r, 2], local sums [r, 2], label logit, CE normalizer)``."""
         low, a, b, z_label = self._read(start, stop, label_columns)
-        ce_norm = SparsePath._ce_normalizer(self, low)
+        ce_norm = self.labels.normalizer(low)
         local_max, local_sum, state = self.cfg.divergence.dense_statistics(a, b)
         return (low, state, label_columns), local_max, local_sum, z_label, ce_norm
 
@@ -444,11 +446,10 @@ class CompiledDensePath(DensePath):
     def _local(self, start, stop, label_columns):
         cfg, labels = self.cfg, self.labels
         low_s, low_t = self._lows(start, stop)
-        ce = labels.labels is not None and not labels.folded
         local_max, local_sum, *extra = compiled.dense_statistics(
-            low_s, low_t, label_columns, cfg.temperature, *self._transforms(), ce)
-        z_label = extra[0] if label_columns is not None else None
-        ce_norm = tuple(extra[-2:]) if ce else None
+            low_s, low_t, label_columns, cfg.temperature, *self._transforms(),
+            labels.own_normalizer)
+        z_label, ce_norm = labels.compiled_extras(extra, label_columns)
         return (low_s, low_t, label_columns), local_max, local_sum, z_label, ce_norm
 
     def _terms(self, state, local_max, log_shift, scale):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import _checks, parallel
-from .engine import Call, Config, least_rows, path_class
+from .engine import Call, Config, path_class
 from .losses import (
     KL_OPTIONS,
     TOPK_OPTIONS,
@@ -31,6 +31,7 @@ from .sources import (
     Rows,
     budget_bytes,
     chunk_rows,
+    least_rows,
     product_dtype,
 )
 from .teacher import SparseTeacher

@@ -14,7 +14,7 @@ import torch
 
 from . import _checks, compiled, parallel
 from .kernels import read
-from .sources import Rows, budget_bytes, chunk_rows, row_chunks
+from .sources import Rows, budget_bytes, chunk_rows, least_rows, row_chunks
 from .teacher import SparseTeacher
 
 # Indices must stay below this for the packed sort key; it also marks a padding candidate (a rank
@@ -115,7 +115,7 @@ def _local_candidates(rows, k: int, temperature: float, valid: int, chunk_bytes,
         return values, indices, rest_max, rest_logsum
     per = chunk_rows(budget_factor * budget_bytes(chunk_bytes, n, valid, rows.element_size),
                      valid, n, 4)
-    per = max(per, 2) if use_compiled else per  # (as engine.least_rows)
+    per = least_rows(per, use_compiled)
     for start, stop in row_chunks(n, per):
         # the chunk's one large buffer
         low = rows.low_chunk(start, stop, valid)

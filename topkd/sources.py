@@ -344,6 +344,12 @@ def chunk_rows(chunk_bytes: int | None, width: int, rows: int, element_bytes: in
     return max(1, budget // (4 * max(width, 1) * buffers))
 
 
+def least_rows(per: int, compiled: bool) -> int:
+    """The compiled kernels take chunks of two rows or more (a one-row call is run as two:
+    see :func:`topkd.compiled._compiled`), so their loops never cut single rows."""
+    return max(per, 2) if compiled else per
+
+
 def row_chunks(rows: int, per_chunk: int):
     """``(start, stop)`` pairs covering ``range(rows)``."""
     for start in range(0, rows, per_chunk):
