@@ -1,0 +1,92 @@
+"""Batches for :class:`~topkd.hf.KDTrainer`: padding, labels, and stored teacher rows."""
+
+from __future__ import annotations
+
+import torch
+
+from ..teacher import SparseTeacher
+
+
+def _sequence(item: dict, key: str) -> torch.Tensor:
+    return torch.as_tensor(item[key], dtype=torch.int64).reshape(-1)
+
+
+def require_keys(item, keys, where: str) -> None:
+    """A dataset item must be a mapping holding ``keys``: a ValueError naming what is missing,
+    what is there, and the usual cause, instead of a bare KeyError inside collate."""
+    if not isinstance(item, dict):
+        raise TypeError(f"{where}: dataset items must be dicts, got {type(item).__name__}")
+    missing = [key for key in keys if key not in item]
+    if missing:
+        raise ValueError(
+            f"{where}: a dataset item has no {', '.join(map(repr, missing))} (it has "
+            f"{sorted(item)}). Give every item these keys; if the dataset has them, the "
+            f"Trainer's remove_unused_columns=True dropped them (KDConfig's default is False)")
+
+
+class KDCollator:
+    """Right-pads dataset items into a batch and attaches the stored teacher rows.
+
+    Items are dicts with ``input_ids`` (``[L_i]``), optionally ``attention_mask`` and
+    ``labels`` (``-100`` on tokens not to learn, e.g. a prompt; default: the tokens
+    themselves), and with a ``store``: ``sample_id`` (or a ready ``teacher``
+    :class:`~topkd.SparseTeacher` ``[L_i, K]``, as :class:`~topkd.store.TeacherDataset` gives).
+
+    The batch: ``input_ids``, ``attention_mask`` and ``labels`` int64 ``[B, L]`` (padding is
+    ``pad_token_id``, mask 0, label -100) and, with a store, ``teacher`` ``[B, L, K]`` (each
+    sequence's rows checked against its tokens' hash) and ``sample_ids``.
+
+    Alignment, the one rule: the row at position ``t`` predicts token ``t + 1``; the loss
+    applies to row ``t`` where ``labels[t + 1] != -100``. Stored rows follow the same rule.
+    """
+
+    def __init__(self, pad_token_id: int = 0, store=None, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = int(pad_token_id)
+        self.store = store
+        self.multiple = pad_to_multiple_of
+
+    def __call__(self, items) -> dict:
+        items = list(items)
+        keys = ("input_ids",) if self.store is None else ("input_ids", "sample_id")
+        for item in items:
+            require_keys(item, keys if "teacher" not in item else ("input_ids",), "KDCollator")
+        ids = [_sequence(item, "input_ids") for item in items]
+        length = max((len(s) for s in ids), default=0)
+        if self.multiple:
+            length = -(-length // self.multiple) * self.multiple
+        batch = len(items)
+        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.int64)
+        attention = torch.zeros((batch, length), dtype=torch.int64)
+        labels = torch.full((batch, length), -100, dtype=torch.int64)
+        for b, (item, seq) in enumerate(zip(items, ids, strict=True)):
+            n = len(seq)
+            input_ids[b, :n] = seq
+            attention[b, :n] = _sequence(item, "attention_mask") if "attention_mask" in item \
+                else 1
+            labels[b, :n] = _sequence(item, "labels") if "labels" in item else seq
+            for key in ("attention_mask", "labels"):
+                if key in item and len(_sequence(item, key)) != n:
+                    raise ValueError(f"KDCollator: item {b} has {n} input_ids but "
+                                     f"{len(_sequence(item, key))} {key}")
+        labels[attention == 0] = -100
+        out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+        if self.store is not None:
+            out["teacher"] = self._teachers(items, ids, length)
+            out["sample_ids"] = [item.get("sample_id") for item in items]
+        return out
+
+    def _teachers(self, items, ids, length) -> SparseTeacher:
+        from ..store import collate_teachers
+
+        teachers = []
+        for item, seq in zip(items, ids, strict=True):
+            teacher = item.get("teacher")
+            if teacher is None:
+                teacher = self.store.get(item["sample_id"], seq)
+            if teacher.indices.shape[0] != len(seq):
+                raise ValueError(f"sample {item.get('sample_id')!r}: {len(seq)} tokens but "
+                                 f"{teacher.indices.shape[0]} stored teacher rows")
+            teachers.append(teacher)
+        return collate_teachers(teachers, pad_to=length, k=self.store.k,
+                                vocab_size=self.store.vocab_size,
+                                temperature=self.store.temperature)

@@ -1,0 +1,132 @@
+"""What the trainer needs from a Hugging Face causal LM: its final hidden states without its
+logits, its LM head, the transform its head applies, and the vocabulary it really has."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def unwrap(model):
+    """The ``PreTrainedModel`` inside DDP / accelerate / PEFT wrappers."""
+    while hasattr(model, "module"):  # DistributedDataParallel
+        model = model.module
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model
+
+
+def text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [V_r, H], bias [V_r] or None)`` of the model's output embeddings (the same
+    Parameter as the input embeddings when they are tied, so their gradients add)."""
+    output = unwrap(model).get_output_embeddings()
+    if output is None or not isinstance(getattr(output, "weight", None), torch.Tensor):
+        raise ValueError(f"{type(unwrap(model)).__name__} has no output embeddings "
+                         f"(get_output_embeddings() is {output!r}); use fused=False")
+    return output.weight, getattr(output, "bias", None)
+
+
+def logit_transform(model) -> tuple[float, float | None]:
+    """``(logit_scale, softcap)`` the model applies to ``F.linear(hidden, weight, bias)``:
+    Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``, Gemma's
+    ``final_logit_softcapping``. :meth:`FinalHidden.check` confirms them on real logits."""
+    config = text_config(unwrap(model))
+    scale = getattr(config, "logit_scale", None) or 1.0
+    divide = getattr(config, "logits_scaling", None)
+    if divide:
+        scale = scale / divide
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    return float(scale), None if softcap is None else float(softcap)
+
+
+def transformed(logits: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    logits = logits * scale
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def vocabulary(tokenizer, widths: dict[str, int]) -> int:
+    """The real vocabulary: the tokenizer's size when there is one (heads are often padded:
+    Qwen's 151,936 or 152,064 rows for 151,665 tokens), else the heads' common width."""
+    if tokenizer is not None:
+        size = len(tokenizer)
+        wide = {name: w for name, w in widths.items() if w < size}
+        if wide:
+            raise ValueError(f"the tokenizer has {size} tokens but {wide} has fewer output rows; "
+                             f"resize the model's embeddings")
+        return size
+    if len(set(widths.values())) > 1:
+        raise ValueError(f"the output widths differ ({widths}) and no tokenizer says which "
+                         f"columns are padding; pass processing_class=<the tokenizer>")
+    return next(iter(widths.values()))
+
+
+class FinalHidden:
+    """Runs a causal LM for its final hidden states ``[B, T, H]`` (the decoder's output, after
+    its final norm), the LM head applied to one position only.
+
+    The call goes through the model (and whatever wraps it: DDP, accelerate's autocast, PEFT),
+    with ``logits_to_keep`` naming one position, and a forward hook on the decoder keeps its
+    output. Under autocast the hidden states are cast to the autocast dtype, as autocast's
+    ``F.linear`` would cast them, so the fused products run in it.
+    """
+
+    def __init__(self, model):
+        base = unwrap(model)
+        if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+            raise ValueError(f"{type(base).__name__}.forward takes no logits_to_keep, so its "
+                             f"logits cannot be skipped; use fused=False")
+        self.decoder = base.get_decoder()
+        self.scale, self.softcap = logit_transform(base)
+        self.checked = False
+        self._hidden = None
+
+    def _keep(self, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        device = hidden.device.type
+        if torch.is_autocast_enabled(device):
+            hidden = hidden.to(torch.get_autocast_dtype(device))
+        self._hidden = hidden
+
+    def __call__(self, model, input_ids, attention_mask) -> torch.Tensor:
+        probe = input_ids.shape[1] - 1
+        keep = torch.tensor([probe], device=input_ids.device)
+        hook = self.decoder.register_forward_hook(self._keep)
+        try:
+            output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                           logits_to_keep=keep)
+        finally:
+            hook.remove()
+        hidden, self._hidden = self._hidden, None
+        if hidden is None:
+            raise RuntimeError(f"the decoder {type(self.decoder).__name__} did not run")
+        if not self.checked:
+            self.check(model, hidden[:, probe], output.logits[:, 0])
+        return hidden
+
+    def check(self, model, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Once: the model's own logits at the probe position must equal the transform of
+        ``F.linear(hidden, weight, bias)`` (an unknown head would make the fused loss wrong)."""
+        weight, bias = head(model)
+        with torch.no_grad():
+            ours = transformed(F.linear(hidden.float(), weight.float(),
+                                        None if bias is None else bias.float()),
+                               self.scale, self.softcap)
+            theirs = logits.float()
+            error = (ours - theirs).abs().max().item()
+            size = theirs.abs().max().item()
+        tolerance = (0.02 if min(hidden.dtype.itemsize, logits.dtype.itemsize) < 4 else 1e-4)
+        if not math.isfinite(error) or error > tolerance * max(size, 1.0):
+            raise RuntimeError(
+                f"{type(unwrap(model)).__name__}'s logits differ from its head applied to its "
+                f"final hidden states (max difference {error:.3g} at logits up to {size:.3g}; "
+                f"logit_scale={self.scale}, softcap={self.softcap} read from its config): its "
+                f"head does something the fused loss does not know; use fused=False")
+        self.checked = True

@@ -1,0 +1,335 @@
+"""Knowledge distillation with the Hugging Face ``Trainer``: :class:`KDConfig` and
+:class:`KDTrainer`."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+
+from .. import divergences
+from ..fused import fused_kl_loss, fused_topk_kl_loss
+from ..losses import kl_loss, sparse_kl_loss, topk_kl_loss
+from ..teacher import SparseTeacher
+from .data import KDCollator
+from .models import FinalHidden, head, vocabulary
+
+_SPARSE = ("indices", "logprobs", "rest_logprob")
+
+
+@dataclass
+class KDConfig(TrainingArguments):
+    """``TrainingArguments`` plus the distillation settings.
+
+    ``k=None`` distills over the full vocabulary; an int keeps the teacher's top ``k`` (and
+    ``top_p``) per row plus the exact ghost bucket (``normalize``: see
+    :func:`topkd.topk_kl_loss`). ``divergence`` is a name (``"kl"``, ``"reverse_kl"``,
+    ``"jsd"`` with ``beta``, ``"skew_kl"`` / ``"skew_reverse_kl"`` with ``alpha``, ``"tvd"``).
+    The loss is ``kd_weight * KD + ce_weight * CE`` summed over the tokens learned and divided
+    by their count over the whole optimizer step (all micro-batches, all ranks).
+    ``remove_unused_columns`` defaults to False here: the teacher's keys must reach the batch.
+    """
+
+    k: int | None = field(default=None, metadata={"help": "teacher entries kept per row "
+                                                  "(None: the full vocabulary)"})
+    top_p: float | None = field(default=None, metadata={"help": "nucleus cut of the top-k"})
+    temperature: float | None = field(default=None, metadata={
+        "help": "distillation temperature (None: 1, or the store's)"})
+    divergence: str = field(default="kl", metadata={"help": "kl, reverse_kl, jsd, skew_kl, "
+                                                    "skew_reverse_kl or tvd"})
+    beta: float = field(default=0.5, metadata={"help": "JSD's mixture weight"})
+    alpha: float = field(default=0.1, metadata={"help": "skew KL's mixture weight"})
+    kd_weight: float = field(default=1.0, metadata={"help": "weight of the KD term"})
+    ce_weight: float = field(default=0.0, metadata={"help": "weight of the hard-label CE"})
+    normalize: str = field(default="full", metadata={"help": "full or topk"})
+    fused: bool = field(default=True, metadata={"help": "never build the [B, T, V] logits"})
+    chunk_bytes: int | None = field(default=None, metadata={"help": "the loss's work budget"})
+    remove_unused_columns: bool = False
+
+    def kd_divergence(self) -> divergences.Divergence:
+        """The :class:`topkd.Divergence` these settings name."""
+        name = self.divergence
+        if name == "jsd":
+            return divergences.JSD(beta=self.beta)
+        if name in ("skew_kl", "skew_reverse_kl"):
+            cls = divergences.SkewKL if name == "skew_kl" else divergences.SkewReverseKL
+            return cls(alpha=self.alpha)
+        return divergences.resolve(name)
+
+
+class KDTrainer(Trainer):
+    """A ``Trainer`` whose loss distills ``teacher`` (a causal LM) or a teacher ``store`` into
+    the model.
+
+    Online: ``KDTrainer(model=student, teacher=teacher, args=KDConfig(...),
+    train_dataset=..., processing_class=tokenizer)``. Offline: ``store=`` a
+    :class:`~topkd.store.TeacherStore` or its path, and items carrying ``sample_id``.
+    Dataset items: ``input_ids``, optionally ``attention_mask`` and ``labels`` (see
+    :class:`~topkd.hf.KDCollator` for the alignment rule).
+
+    With ``fused=True`` (default) the student's final hidden states and its output embeddings
+    enter the fused loss, and the teacher enters as its ``(hidden, weight)`` pair: neither
+    model's ``[B, T, V]`` logits are built. Under ``bf16=True`` / ``fp16=True`` (autocast) the
+    hidden states are cast to the autocast dtype, so the products run in it and the float32
+    weight's gradient lands in its float32 ``.grad``; with bf16 parameters everything is bf16.
+    Tied embeddings receive the head's gradient through the shared Parameter. Softcap and
+    logit scale come from each model's config and are checked once against its real logits.
+
+    ``teacher_tokenizer``: when given (online) its fingerprint must equal the student's
+    tokenizer's; a store's recorded fingerprint is checked likewise. The vocabulary is the
+    tokenizer's size (a store's: its own); padded head rows beyond it are outside both
+    distributions.
+
+    Logs ``kd`` and ``ce`` (per learned token) with the loss; :meth:`evaluate` reports
+    ``eval_kl`` (KL(teacher || student) at temperature 1, or at the store's), ``eval_ce`` and
+    ``eval_loss`` (the training objective), per token.
+    """
+
+    def __init__(self, model=None, args: KDConfig | None = None, *, teacher=None, store=None,
+                 teacher_tokenizer=None, data_collator=None, processing_class=None, **kwargs):
+        if args is None:
+            args = KDConfig(output_dir="topkd-output")
+        if not isinstance(args, KDConfig):
+            raise TypeError(f"args must be a topkd.hf.KDConfig, got {type(args).__name__}")
+        if (teacher is None) == (store is None):
+            raise ValueError("give exactly one of teacher= (online) and store= (offline), got "
+                             f"teacher={type(teacher).__name__}, store={type(store).__name__}")
+        self.divergence = args.kd_divergence()
+        if args.k is None and store is None and args.top_p is not None:
+            raise ValueError(f"top_p={args.top_p} needs k (the full-vocabulary loss keeps all)")
+        if store is not None:
+            store = _open_store(store)
+            if args.k is not None and args.k != store.k:
+                raise ValueError(f"k={args.k} but the store {store.path} keeps k={store.k}")
+            if args.temperature is not None and args.temperature != store.temperature:
+                raise ValueError(f"temperature={args.temperature} but the store {store.path} "
+                                 f"was built at temperature={store.temperature}")
+            _same_tokenizer(processing_class, store.manifest.get("tokenizer_fingerprint"),
+                            f"the store {store.path}")
+        else:
+            fingerprint = None
+            if teacher_tokenizer is not None:
+                from ..store import tokenizer_fingerprint
+
+                fingerprint = tokenizer_fingerprint(teacher_tokenizer)
+            _same_tokenizer(processing_class, fingerprint, "the teacher's tokenizer")
+        if data_collator is None:
+            pad = getattr(processing_class, "pad_token_id", None)
+            data_collator = KDCollator(0 if pad is None else pad, store=store)
+        super().__init__(model=model, args=args, data_collator=data_collator,
+                         processing_class=processing_class, **kwargs)
+        self.loss_is_scaled_for_ga = True  # the loss is divided by the step's global count
+        self.teacher, self.store = teacher, store
+        widths = {"student": head(self.model)[0].shape[0]}
+        if teacher is not None:
+            teacher.eval().requires_grad_(False).to(self.args.device)
+            widths["teacher"] = head(teacher)[0].shape[0]
+            self.vocab_size = vocabulary(processing_class, widths)
+        else:
+            self.vocab_size = store.vocab_size
+            if widths["student"] < store.vocab_size:
+                raise ValueError(f"the student has {widths['student']} output rows, fewer than "
+                                 f"the store's vocabulary {store.vocab_size}")
+        self._student_hidden = FinalHidden(self.model) if args.fused else None
+        self._teacher_hidden = FinalHidden(teacher) if args.fused and teacher else None
+        self._sums = torch.zeros(3, dtype=torch.float64)  # kd, ce, tokens since the last log
+
+    # -- the loss ------------------------------------------------------------------------------
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """The tokens learned over the optimizer step: every micro-batch, every rank."""
+        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batch_samples)
+        count = torch.tensor(count, dtype=torch.int64, device=device)
+        if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(count)
+        return count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        parts = self._parts(model, inputs, self.args.ce_weight)
+        if num_items_in_batch is None:  # not in a training step: a mean over this batch
+            num_items_in_batch, world = max(parts.tokens, 1), 1
+        else:
+            world = self.accelerator.num_processes  # DDP averages the ranks' gradients
+        loss = parts.loss * (world / num_items_in_batch)
+        if model.training:
+            self._sums += torch.tensor([float(parts.kd), float(parts.ce), parts.tokens],
+                                       dtype=torch.float64)
+        return (loss, None) if return_outputs else loss
+
+    def _parts(self, model, inputs, ce_weight: float, *, eval_kl: bool = False) -> _Parts:
+        """The objective summed over the batch's learned tokens (with ``ce_weight``), its KD
+        and CE sums and the token count; with ``eval_kl`` also KL(teacher || student) summed.
+        The models run under the run's autocast, the losses outside it."""
+        args = self.args
+        input_ids, attention = inputs["input_ids"], inputs.get("attention_mask")
+        keep = inputs["labels"][:, 1:] != -100
+        common = dict(vocab_size=self.vocab_size, reduction="sum", chunk_bytes=args.chunk_bytes,
+                      return_components=True)
+        if ce_weight:
+            common.update(labels=inputs["labels"][:, 1:][keep], ce_weight=ce_weight)
+        if self.store is not None:
+            teacher = self._stored(inputs, keep)
+        if args.fused:
+            with self.accelerator.autocast():
+                hidden = self._student_hidden(model, input_ids, attention)[:, :-1][keep]
+            weight, bias = head(model)
+            student = dict(hidden=hidden, weight=weight, bias=bias,
+                           logit_scale=self._student_hidden.scale,
+                           softcap=self._student_hidden.softcap)
+            if self.store is None:
+                with torch.no_grad(), self.accelerator.autocast():
+                    t_hidden = self._teacher_hidden(self.teacher, input_ids, attention)
+                t_weight, t_bias = head(self.teacher)
+                teacher = (t_hidden[:, :-1][keep], t_weight) + (() if t_bias is None
+                                                                else (t_bias,))
+                student.update(teacher_logit_scale=self._teacher_hidden.scale,
+                               teacher_softcap=self._teacher_hidden.softcap)
+
+            def loss(settings, **extra):
+                return _fused(student, teacher, settings, {**common, **extra})
+        else:
+            with self.accelerator.autocast():
+                logits = model(input_ids=input_ids, attention_mask=attention,
+                               use_cache=False).logits[:, :-1][keep]
+                if self.store is None:
+                    with torch.no_grad():
+                        teacher = self.teacher(input_ids=input_ids, attention_mask=attention,
+                                               use_cache=False).logits[:, :-1][keep]
+
+            def loss(settings, **extra):
+                return _unfused(logits, teacher, settings, {**common, **extra})
+
+        result = loss(args, divergence=self.divergence, kd_weight=args.kd_weight)
+        kl = None
+        if eval_kl:
+            with torch.no_grad():
+                kl = loss(_FULL_KL, divergence="kl", labels=None, ce_weight=0.0).kd
+        return _Parts(result.loss, result.kd, result.ce, int(keep.sum()), kl)
+
+    def _stored(self, inputs, keep) -> SparseTeacher:
+        """The batch's stored teacher rows at the learned tokens."""
+        teacher = inputs.get("teacher")
+        if not isinstance(teacher, SparseTeacher):
+            raise ValueError("the batch has no 'teacher' rows: with store= the data collator "
+                             "must attach them (KDCollator does; check remove_unused_columns)")
+        teacher = teacher.to(keep.device)
+        if teacher.mask is not None and not bool(teacher.mask[:, :-1][keep].all()):
+            raise ValueError("a learned token has no stored teacher row (the store's sequence "
+                             "is shorter than the tokens): the data and the store are "
+                             "misaligned")
+        rows = (getattr(teacher, name)[:, :-1][keep] for name in _SPARSE)
+        return SparseTeacher(*rows, teacher.temperature, teacher.vocab_size)
+
+    # -- logging and evaluation ----------------------------------------------------------------
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs and self._sums[2] > 0:
+            sums = self._sums.clone()
+            if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+                sums = sums.to(self.args.device)
+                dist.all_reduce(sums)
+                sums = sums.cpu()
+            kd, ce, tokens = sums.tolist()
+            logs["kd"] = round(kd / tokens, 6)
+            if self.args.ce_weight:
+                logs["ce"] = round(ce / tokens, 6)
+            self._sums.zero_()
+        super().log(logs, *args, **kwargs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Held-out ``{prefix}_kl`` (KL(teacher || student)), ``{prefix}_ce`` (the student's
+        cross-entropy) and ``{prefix}_loss`` (the training objective), each per learned token
+        over the whole evaluation set (all ranks)."""
+        loader = self.get_eval_dataloader(eval_dataset)
+        model = self._wrap_model(self.model, training=False, dataloader=loader)
+        model.eval()
+        sums = torch.zeros(4, dtype=torch.float64)
+        kd_weight, ce_weight = self.args.kd_weight, self.args.ce_weight
+        with torch.no_grad():
+            for inputs in loader:
+                parts = self._parts(model, self._prepare_inputs(inputs), 1.0, eval_kl=True)
+                objective = kd_weight * float(parts.kd) + ce_weight * float(parts.ce)
+                sums += torch.tensor([float(parts.kl), float(parts.ce), objective,
+                                      parts.tokens], dtype=torch.float64)
+        if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
+            sums = sums.to(self.args.device)
+            dist.all_reduce(sums)
+            sums = sums.cpu()
+        kl, ce, loss, tokens = sums.tolist()
+        tokens = max(tokens, 1.0)
+        metrics = {f"{metric_key_prefix}_kl": kl / tokens, f"{metric_key_prefix}_ce": ce / tokens,
+                   f"{metric_key_prefix}_loss": loss / tokens}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
+                                                         metrics)
+        return metrics
+
+
+@dataclass
+class _Parts:
+    loss: torch.Tensor
+    kd: torch.Tensor
+    ce: torch.Tensor
+    tokens: int
+    kl: torch.Tensor | None = None
+
+
+# evaluation's KL(teacher || student): the full vocabulary at temperature 1 (a store's rows:
+# their own temperature, the ghost bucket exact)
+_FULL_KL = SimpleNamespace(k=None, top_p=None, temperature=None, normalize="full")
+
+
+def _fused(student: dict, teacher, settings, common: dict):
+    if isinstance(teacher, SparseTeacher):
+        return fused_topk_kl_loss(teacher=teacher, normalize=settings.normalize, **student,
+                                  **common)
+    if settings.k is not None:
+        return fused_topk_kl_loss(teacher=teacher, k=settings.k, top_p=settings.top_p,
+                                  temperature=settings.temperature,
+                                  normalize=settings.normalize, **student, **common)
+    return fused_kl_loss(teacher=teacher, temperature=settings.temperature, **student, **common)
+
+
+def _unfused(logits, teacher, settings, common: dict):
+    if isinstance(teacher, SparseTeacher):
+        return sparse_kl_loss(logits, teacher, normalize=settings.normalize, **common)
+    temperature = 1.0 if settings.temperature is None else settings.temperature
+    if settings.k is not None:
+        return topk_kl_loss(logits, teacher, settings.k, top_p=settings.top_p,
+                            temperature=temperature, normalize=settings.normalize, **common)
+    return kl_loss(logits, teacher, temperature=temperature, **common)
+
+
+def _open_store(store):
+    from ..store import TeacherStore
+
+    if isinstance(store, TeacherStore):
+        return store
+    if isinstance(store, (str, os.PathLike)):
+        return TeacherStore(store)
+    raise TypeError(f"store must be a topkd.store.TeacherStore or a path, got "
+                    f"{type(store).__name__}")
+
+
+def _same_tokenizer(tokenizer, fingerprint: str | None, what: str) -> None:
+    """The student's tokenizer must be the one the teacher's rows were made with."""
+    if tokenizer is None or fingerprint is None:
+        if fingerprint is not None:
+            warnings.warn(f"{what} has a tokenizer fingerprint but no processing_class was "
+                          f"given to compare it with", stacklevel=3)
+        return
+    from ..store import tokenizer_fingerprint
+
+    mine = tokenizer_fingerprint(tokenizer)
+    if mine != fingerprint:
+        raise ValueError(f"the student's tokenizer (fingerprint {mine}) is not {what} "
+                         f"({fingerprint}): the two vocabularies differ, so distillation "
+                         f"would pair unrelated tokens")
+
+
+__all__ = ["KDConfig", "KDTrainer"]
