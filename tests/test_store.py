@@ -30,13 +30,15 @@ from safetensors import safe_open  # noqa: E402
 
 import topkd  # noqa: E402
 from topkd.store import (  # noqa: E402
+    MissingSampleError,
     TeacherDataset,
     TeacherStore,
     TeacherStoreWriter,
     collate,
+    require_keys,
     verify_store,
 )
-from topkd.store.format import shard_files  # noqa: E402
+from topkd.store.format import MANIFEST, shard_files  # noqa: E402
 from topkd.store.reader import read_shard_ids  # noqa: E402
 
 V, K = 300, 8
@@ -381,10 +383,12 @@ def test_reader_refuses_other_settings(tmp_path, key, value):
 @pytest.mark.parametrize("key, value", [("vocab_size", V + 1), ("k", K - 1),
                                         ("temperature", 0.5), ("top_p", 0.8),
                                         ("logprob_dtype", "float32"),
-                                        ("tokenizer_fingerprint", "sha256:other")])
+                                        ("tokenizer_fingerprint", "sha256:other"),
+                                        ("store_tokens", False)])
 def test_writer_reopened_with_other_settings(tmp_path, key, value):
     settings = {"k": K, "vocab_size": V, "temperature": 1.0, "top_p": None,
-                "logprob_dtype": "bfloat16", "tokenizer_fingerprint": "sha256:mine"}
+                "logprob_dtype": "bfloat16", "tokenizer_fingerprint": "sha256:mine",
+                "store_tokens": True}
     _write(tmp_path, ["a"], _sequences([2]), **settings)
     with pytest.raises(ValueError) as e:
         TeacherStoreWriter(tmp_path, **{**settings, key: value})
@@ -940,3 +944,270 @@ def test_failed_setup_releases_the_lock_and_failed_close_can_retry(tmp_path, mon
     for i in range(2):
         _assert_same_teacher(store.get(f"late{i}", seqs[i][0]), seqs[i][2], f"late{i}")
     assert verify_store(tmp_path) == []
+
+
+# -- 12. stored token ids --------------------------------------------------------------------
+
+
+def _token_rows(path):
+    """Per shard: its input_ids tensor (None if absent) and its token rows."""
+    out = []
+    for file in _shards(path):
+        with safe_open(os.path.join(path, file), framework="pt") as h:
+            ids = h.get_tensor("input_ids") if "input_ids" in h.keys() else None
+            out.append((ids, h.get_tensor("rest_logprob").shape[0]))
+    return out
+
+
+def test_tokens_round_trip_over_shards_top_p_and_writers(tmp_path):
+    seqs = _sequences([4, 0, 3, 6, 2, 5, 1, 3], top_p=0.9, scale=5.0, seed=8)  # rows cut
+    # large ids too: int32 holds every vocabulary up to 2**31 - 2
+    seqs[2] = (torch.tensor([0, 2**31 - 1, 7]), None, seqs[2][2])
+    ids = ["a", "empty", 2, "d", 4, "f", 6, "h"]
+    settings = dict(top_p=0.9, shard_bytes=150, logprob_dtype="float32")
+    _write(tmp_path, ids[:5], seqs[:5], **settings)
+    _write(tmp_path, ids[5:], seqs[5:], name="other", **settings)
+    shards = _token_rows(tmp_path)
+    assert len(shards) >= 4 and {f.split("-")[1] for f in _shards(tmp_path)} == {"main", "other"}
+    for tokens, rows in shards:
+        assert tokens is not None and tokens.dtype == torch.int32 and tokens.shape == (rows,)
+    store = TeacherStore(tmp_path)
+    assert store.store_tokens and store.manifest["store_tokens"] is True
+    assert any(_header(os.path.join(tmp_path, f))[1].get("counts") for f in _shards(tmp_path))
+    for sample_id, (tokens, _, teacher) in zip(ids, seqs, strict=True):
+        got = store.tokens(sample_id)
+        assert got.dtype == torch.int64 and torch.equal(got, tokens), sample_id
+        _assert_same_teacher(store.get(sample_id, got), teacher, str(sample_id))
+    assert verify_store(tmp_path) == []
+    with pytest.raises(KeyError, match="'nope'"):
+        store.tokens("nope")
+
+    with TeacherStoreWriter(tmp_path / "big", k=K, vocab_size=V) as writer:
+        for bad in (torch.tensor([1, 2**31]), torch.tensor([-(2**31) - 1])):
+            with pytest.raises(ValueError, match="int32.*store_tokens=False"):
+                writer.add("x", bad, _sequences([len(bad)])[0][2])
+        assert "x" not in writer
+
+
+def test_tokens_opt_out(tmp_path):
+    seqs = _sequences([4, 3, 5])
+    _write(tmp_path / "with", range(3), seqs)
+    _write(tmp_path / "without", range(3), seqs, store_tokens=False)
+    assert all(t is None for t, _ in _token_rows(tmp_path / "without"))
+    store = TeacherStore(tmp_path / "without")
+    assert not store.store_tokens and store.manifest["store_tokens"] is False
+    # the same teachers, 4 bytes per token (and the tensor's header entry) fewer
+    saved = TeacherStore(tmp_path / "with").nbytes() - store.nbytes()
+    assert 4 * 12 <= saved <= 4 * 12 + 300
+    for i, (tokens, _, _) in enumerate(seqs):
+        _assert_same_teacher(store.get(i, tokens), TeacherStore(tmp_path / "with").get(i), str(i))
+    for call in (lambda: store.tokens(0), lambda: TeacherDataset(store)):
+        with pytest.raises(ValueError, match="holds no token ids") as e:
+            call()
+        assert str(tmp_path / "without") in str(e.value) and "--no-tokens" in str(e.value)
+    assert verify_store(tmp_path / "without") == []
+
+
+def test_dataset_over_the_whole_store(tmp_path):
+    seqs = _sequences([3, 0, 5, 2], top_p=0.9, seed=9)
+    ids = ["a", "b", 7, "c"]
+    _write(tmp_path, ids, seqs, top_p=0.9, shard_bytes=300)
+    store = TeacherStore(tmp_path)
+    order = store.ids()
+    dataset = TeacherDataset(store)
+    assert len(dataset) == 4
+    for i, sample_id in enumerate(order):
+        item = dataset[i]
+        assert set(item) == {"sample_id", "input_ids", "teacher"}
+        assert item["sample_id"] == sample_id
+        tokens, _, teacher = seqs[ids.index(sample_id)]
+        assert item["input_ids"].dtype == torch.int64 and torch.equal(item["input_ids"], tokens)
+        _assert_same_teacher(item["teacher"], store.get(sample_id, tokens), str(sample_id))
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert torch.equal(clone[2]["input_ids"], dataset[2]["input_ids"])
+    loader = torch.utils.data.DataLoader(TeacherDataset(str(tmp_path)), batch_size=4,
+                                         num_workers=1, collate_fn=collate,
+                                         multiprocessing_context="spawn")
+    (batch,) = list(loader)
+    assert batch["sample_ids"] == order
+    for j, sample_id in enumerate(order):
+        tokens = seqs[ids.index(sample_id)][0]
+        assert torch.equal(batch["input_ids"][j, :len(tokens)], tokens)
+    assert len(TeacherDataset(_write(tmp_path / "empty", [], []).path)) == 0
+
+
+def _drop_from_manifest(path, *keys):
+    """Rewrite the manifest as a topkd that did not store tokens wrote it."""
+    file = os.path.join(path, MANIFEST)
+    manifest = json.load(open(file))
+    for key in keys:
+        del manifest[key]
+    with open(file, "w") as f:
+        json.dump(manifest, f)
+
+
+def test_store_without_the_tokens_setting_reads_as_no_tokens(tmp_path):
+    seqs = _sequences([3, 2])
+    _write(tmp_path, ["a", "b"], seqs, store_tokens=False)
+    _drop_from_manifest(tmp_path, "store_tokens")
+    store = TeacherStore(tmp_path)
+    assert store.store_tokens is False
+    teacher = seqs[0][2]
+    _assert_same_teacher(store.get("a", seqs[0][0]), topkd.SparseTeacher(
+        teacher.indices, teacher.logprobs.half().float(), teacher.rest_logprob, 1.0, V), "a")
+    with pytest.raises(ValueError, match="holds no token ids"):
+        store.tokens("a")
+    assert verify_store(tmp_path) == []
+    # resuming it: with store_tokens=False only (the shards could not all hold tokens)
+    with pytest.raises(ValueError) as e:
+        TeacherStoreWriter(tmp_path, k=K, vocab_size=V)
+    _names(str(e.value), "store_tokens", False, True)
+    with TeacherStoreWriter(tmp_path, k=K, vocab_size=V, store_tokens=False) as writer:
+        writer.add("c", *_sequences([2], seed=3)[0][::2])
+    assert sorted(TeacherStore(tmp_path).ids()) == ["a", "b", "c"]
+
+
+def test_damaged_token_ids_caught_by_tokens_and_verify(tmp_path):
+    seqs = _sequences([3, 4, 2], seed=4)
+    _write(tmp_path, ["s0", "s1", "s2"], seqs)
+    (name,) = _shards(tmp_path)
+    file = os.path.join(tmp_path, name)
+    n, header, raw = _header(file)
+    data = bytearray(raw)
+    data[8 + n + header["input_ids"]["data_offsets"][0] + 4 * 3] ^= 0x01  # s1's first token
+    with open(file, "wb") as f:
+        f.write(bytes(data))
+    store = TeacherStore(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(file)) as e:
+        store.tokens("s1")
+    assert "'s1'" in str(e.value) and "token hash" in str(e.value)
+    assert torch.equal(store.tokens("s0"), seqs[0][0])
+    assert torch.equal(store.tokens("s2"), seqs[2][0])
+    _assert_same_teacher(store.get("s1"), store.get("s1", seqs[1][0]))  # the rows are whole
+    unchecked = TeacherStore(tmp_path, verify_reads=False).tokens("s1")
+    assert not torch.equal(unchecked, seqs[1][0])
+    problems = verify_store(tmp_path)
+    assert len(problems) == 1 and file in problems[0] and "input_ids" in problems[0], problems
+
+    # a consistent rewrite of the tensor and its SHA-256 is still caught by the token hash
+    import topkd.store.format as fmt
+
+    recorded = json.loads(header["__metadata__"]["sha256"])["input_ids"]
+    good = torch.tensor(seqs[0][0].tolist() + seqs[1][0].tolist() + seqs[2][0].tolist(),
+                        dtype=torch.int32)
+    damaged = good.clone()
+    damaged[3] ^= 1
+    assert fmt.sha256(good) == recorded
+    _rewrite_header(file, lambda text: text.replace(recorded, fmt.sha256(damaged)))
+    problems = verify_store(tmp_path)
+    assert len(problems) == 1 and "'s1'" in problems[0] and "token hash" in problems[0], problems
+
+
+# -- 13. a store binds its settings with its first shard -------------------------------------
+
+
+def test_failed_writer_binds_no_settings(tmp_path):
+    seqs = _sequences([3, 2])
+    with pytest.raises(RuntimeError, match="teacher crashed"):
+        with TeacherStoreWriter(tmp_path, k=2 * K, vocab_size=V, logprob_dtype="float32"):
+            raise RuntimeError("teacher crashed")
+    assert not (tmp_path / MANIFEST).exists()
+    with pytest.raises(FileNotFoundError, match="not a topkd teacher store"):
+        TeacherStore(tmp_path)
+    # another k and dtype into the same directory: accepted
+    _write(tmp_path, ["a"], seqs[:1])
+    store = TeacherStore(tmp_path)
+    assert (store.k, store.manifest["logprob_dtype"]) == (K, "float16") and store.ids() == ["a"]
+    # a store holding a shard keeps its settings
+    with pytest.raises(ValueError) as e:
+        TeacherStoreWriter(tmp_path, k=2 * K, vocab_size=V)
+    _names(str(e.value), "k", K, 2 * K)
+    assert "delete" not in str(e.value)
+
+    # rows added before the error are stored, so they bind the settings
+    with pytest.raises(RuntimeError):
+        with TeacherStoreWriter(tmp_path / "partial", k=K, vocab_size=V) as writer:
+            writer.add("a", *seqs[0][::2])
+            raise RuntimeError("later failure")
+    assert TeacherStore(tmp_path / "partial").ids() == ["a"]
+
+    # closed without an error, an empty writer makes an empty store, which binds
+    TeacherStoreWriter(tmp_path / "empty", k=K, vocab_size=V).close()
+    assert len(TeacherStore(tmp_path / "empty")) == 0 and verify_store(tmp_path / "empty") == []
+    with pytest.raises(ValueError) as e:
+        TeacherStoreWriter(tmp_path / "empty", k=2 * K, vocab_size=V)
+    _names(str(e.value), "k", K, 2 * K)
+    assert "delete " + str(tmp_path / "empty" / MANIFEST) in str(e.value)
+
+    # shards without a manifest: refused, not adopted with this writer's settings
+    (tmp_path / "orphan").mkdir()
+    shard = open(os.path.join(tmp_path, _shards(tmp_path)[0]), "rb").read()
+    (tmp_path / "orphan" / "shard-main-000000.safetensors").write_bytes(shard)
+    with pytest.raises(ValueError, match="no manifest.json"):
+        TeacherStoreWriter(tmp_path / "orphan", k=K, vocab_size=V)
+
+
+def test_concurrent_writers_with_other_settings_cannot_both_win(tmp_path):
+    seqs = _sequences([3, 2, 4])
+    first = TeacherStoreWriter(tmp_path, k=K, vocab_size=V, name="first")
+    second = TeacherStoreWriter(tmp_path, k=K - 2, vocab_size=V, name="second")
+    same = TeacherStoreWriter(tmp_path, k=K, vocab_size=V, name="same")
+    first.add("a", *seqs[0][::2])
+    second.add("b", seqs[1][0], topkd.select_topk(seqs[1][1], K - 2))
+    same.add("c", *seqs[2][::2])
+    first.close()
+    with pytest.raises(ValueError) as e:
+        second.close()
+    _names(str(e.value), "k", K, K - 2)
+    assert second.closed
+    with pytest.raises(ValueError, match="closed"):
+        second.add("d", *seqs[0][::2])
+    same.close()
+    assert sorted(TeacherStore(tmp_path).ids()) == ["a", "c"] and verify_store(tmp_path) == []
+    TeacherStoreWriter(tmp_path, k=K, vocab_size=V, name="second").close()  # lock released
+
+
+# -- 14. errors that name the fix ------------------------------------------------------------
+
+
+def test_missing_sample_id_names_the_store_and_an_example(tmp_path):
+    seqs = _sequences([2, 3, 1])
+    _write(tmp_path, [3, "x", "y"], seqs)
+    store = TeacherStore(tmp_path)
+    with pytest.raises(KeyError) as e:
+        store.get("nope")
+    message = str(e.value)
+    assert isinstance(e.value, MissingSampleError) and not message.startswith(("'", '"'))
+    for part in ("sample_id 'nope'", str(tmp_path), "3 ids, e.g. 3", "id field"):
+        assert part in message, message
+    assert "of type" not in message
+    with pytest.raises(KeyError, match="the store has 3, of type int"):
+        store.get("3")
+    with pytest.raises(KeyError, match="sample_id 4 is not"):
+        store.collate(["x", 4])
+    empty = _write(tmp_path / "empty", [], []).path
+    with pytest.raises(KeyError, match="it holds no samples"):
+        TeacherStore(empty).get(0)
+
+
+def test_require_keys_names_the_key_and_the_fix(tmp_path):
+    require_keys({"sample_id": 1, "input_ids": [1]}, ("sample_id", "input_ids"), "here")
+    with pytest.raises(ValueError) as e:
+        require_keys({"input_ids": [1], "attention_mask": [1]}, ["sample_id", "input_ids"],
+                     "KDTrainer's collator")
+    message = str(e.value)
+    for part in ("KDTrainer's collator:", "no 'sample_id'",
+                 "['attention_mask', 'input_ids']", "remove_unused_columns=False"):
+        assert part in message, message
+    assert "'input_ids' among" not in message
+    with pytest.raises(TypeError, match="expected a mapping"):
+        require_keys([1, 2], ("sample_id",), "here")
+
+    seqs = _sequences([2])
+    _write(tmp_path, ["a"], seqs)
+    with pytest.raises(ValueError, match="TeacherDataset sample 0: the item has no 'sample_id'"):
+        TeacherDataset(tmp_path, [{"id": "a", "input_ids": seqs[0][0]}])[0]
+    item = TeacherDataset(tmp_path)[0]
+    del item["teacher"]
+    with pytest.raises(ValueError, match="topkd.store.collate: the item has no 'teacher'"):
+        collate([item])

@@ -19,6 +19,7 @@ tokenizers = pytest.importorskip("tokenizers")
 import topkd  # noqa: E402
 from topkd.cli import main  # noqa: E402
 from topkd.store import (  # noqa: E402
+    TeacherDataset,
     TeacherStore,
     build_store,
     tokenizer_fingerprint,
@@ -92,6 +93,8 @@ def _check_against_online(store_dir, model, samples, *, top_p=None, top_p_min_k=
     options = {"top_p": top_p, "top_p_min_k": top_p_min_k, "temperature": temperature}
     for sample_id, ids in samples.items():
         stored = store.get(sample_id, ids)
+        if store.store_tokens:  # the tokens the teacher saw, as the data gave them
+            assert store.tokens(sample_id).tolist() == ids, sample_id
         student = torch.randn(len(ids), VOCAB) * 3
         if not ids:
             assert stored.indices.shape == (0, K) and stored.rest_logprob.shape == (0,)
@@ -158,11 +161,13 @@ def test_jsonl_text_float32_info_verify(teacher, tmp_path, capsys):
     assert code == 0
     assert "sequences: 5\n" in stdout and f"tokens: {tokens}\n" in stdout
     assert "shards: 1\n" in stdout and "bytes per token: " in stdout
+    assert "token ids stored: yes\n" in stdout
     assert '"k": 16' in stdout and '"logprob_dtype": "float32"' in stdout
     code, stdout, _ = _run(["store", "info", "--json", str(out)], capsys)
     info = json.loads(stdout)
     manifest = info["manifest"]
     assert info["sequences"] == 5 and info["tokens"] == tokens and info["shards"] == 1
+    assert info["store_tokens"] is True and manifest["store_tokens"] is True
     assert info["bytes"] == sum(os.path.getsize(out / f) for f in os.listdir(out)
                                 if f.startswith("shard-"))
     assert info["bytes_per_token"] == pytest.approx(info["bytes"] / tokens)
@@ -175,7 +180,13 @@ def test_jsonl_text_float32_info_verify(teacher, tmp_path, capsys):
 
     code, stdout, _ = _run(["store", "verify", str(out)], capsys)
     assert code == 0 and stdout.strip() == "ok: 5 sequences, 1 shards"
-    _check_against_online(out, model, samples)
+    store = _check_against_online(out, model, samples)
+    assert store.store_tokens
+    # training needs only the store: its samples with their stored tokens
+    dataset = TeacherDataset(out)
+    assert [item["sample_id"] for item in dataset] == store.ids()
+    for item in dataset:
+        assert item["input_ids"].tolist() == samples[item["sample_id"]]
 
 
 def test_jsonl_token_ids_bfloat16_truncated(teacher, tmp_path, capsys):
@@ -451,3 +462,63 @@ def test_build_checks_settings_before_loading_the_teacher(tmp_path):
         with pytest.raises(ValueError, match=name):
             topkd.store.build_store(tmp_path / "missing", data, tmp_path / "out", k=4,
                                     **options)
+
+
+def test_no_tokens(teacher, tmp_path, capsys):
+    path, model, tokenizer = teacher
+    rng = torch.Generator().manual_seed(6)
+    texts = [_text(rng, n) for n in (5, 9, 2)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out, full = tmp_path / "store", tmp_path / "full"
+    assert _run(_build(path, data, out, "--no-tokens"), capsys)[0] == 0
+    assert _run(_build(path, data, full), capsys)[0] == 0
+    samples = {i: tokenizer(t)["input_ids"] for i, t in enumerate(texts)}
+    store = _check_against_online(out, model, samples, low=torch.float16)
+    assert not store.store_tokens
+    with pytest.raises(ValueError, match="holds no token ids"):
+        store.tokens(0)
+    tokens = sum(map(len, samples.values()))
+    assert TeacherStore(full).nbytes() - store.nbytes() >= 4 * tokens
+    code, stdout, _ = _run(["store", "info", str(out)], capsys)
+    assert code == 0 and "token ids stored: no\n" in stdout
+    # resuming it with tokens would leave some sequences without: refused
+    before = _contents(out)
+    code, _, err = _run(_build(path, data, out), capsys)
+    assert code == 1 and "store_tokens=False" in err and "store_tokens=True" in err, err
+    assert _contents(out) == before
+
+
+def test_failed_build_binds_no_settings(teacher, tmp_path, capsys, monkeypatch):
+    """A k=32 build that fails before storing anything, then a k=16 build into the same
+    directory: accepted. After a build that stored something, another k is refused."""
+    path, model, _ = teacher
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input_ids": [1, VOCAB]}) + "\n" +
+                   json.dumps({"input_ids": [3, 4]}) + "\n")
+    out = tmp_path / "store"
+    code, _, err = _run(_build(path, bad, out, "--k", "32"), capsys)  # (the last --k wins)
+    assert code == 1 and f"token id {VOCAB}, outside" in err
+    assert not os.path.exists(out / "manifest.json")
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    # a teacher that fails on the first batch, from the API
+    import topkd.store.build
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(topkd.store.build, "_teachers", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            build_store(path, good, out, k=32, progress=False)
+    assert not os.path.exists(out / "manifest.json")
+
+    code, stdout, err = _run(_build(path, good, out), capsys)
+    assert code == 0 and "added 1 sequences" in stdout, err
+    assert TeacherStore(out).k == K
+    _check_against_online(out, model, {0: [1, 2, 3]}, low=torch.float16)
+    before = _contents(out)
+    code, _, err = _run(_build(path, good, out, "--k", "32"), capsys)
+    assert code == 1 and "k=16" in err and "k=32" in err, err
+    assert _contents(out) == before

@@ -5,9 +5,9 @@ needs ``transformers`` too (``topkd[hf]``).
 """
 
 from .build import build_store
-from .data import TeacherDataset, collate
+from .data import TeacherDataset, collate, require_keys
 from .format import token_hash
-from .reader import TeacherStore, collate_teachers
+from .reader import MissingSampleError, TeacherStore, collate_teachers
 from .verify import verify_store
 from .writer import TeacherStoreWriter
 
@@ -24,5 +24,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()[:32]
 
 
-__all__ = ["TeacherStore", "TeacherStoreWriter", "TeacherDataset", "build_store", "collate",
-           "collate_teachers", "token_hash", "tokenizer_fingerprint", "verify_store"]
+__all__ = ["TeacherStore", "TeacherStoreWriter", "TeacherDataset", "MissingSampleError",
+           "build_store", "collate", "collate_teachers", "require_keys", "token_hash",
+           "tokenizer_fingerprint", "verify_store"]

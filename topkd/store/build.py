@@ -284,7 +284,7 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
                 max_length: int | None = None, logprob_dtype: str = "float16",
                 text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
                 dtype="auto", device=None, shard_bytes: int = 256 * 2**20,
-                progress: bool = True) -> dict:
+                store_tokens: bool = True, progress: bool = True) -> dict:
     """Run a Hugging Face causal LM over a data file and store its top-K rows at ``out``.
 
     Args:
@@ -302,6 +302,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
             dtype; the selection reads them chunk by chunk.
         device: where the teacher runs (default: CUDA if available, else CPU).
         shard_bytes: a shard is written once its rows reach this many bytes.
+        store_tokens: keep the token ids in the store (int32, 4 B per token), so training
+            needs only the store (``TeacherDataset(store)``).
         progress: show a tqdm bar over tokens (only on a terminal).
 
     Under ``torch.distributed`` (initialized, or ``WORLD_SIZE > 1`` as set by ``torchrun``, in
@@ -321,6 +323,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
     _checks.temperature(temperature)
     _checks.top_p(top_p, top_p_min_k)
     _checks.integer("shard_bytes", shard_bytes, 1)
+    if not isinstance(store_tokens, bool):
+        raise TypeError(f"store_tokens must be a bool, got {store_tokens!r}")
     if not (dtype == "auto" or dtype in MODEL_DTYPES or isinstance(dtype, torch.dtype)):
         raise ValueError(f"dtype must be 'auto', one of {tuple(MODEL_DTYPES)} or a torch.dtype, "
                          f"got {dtype!r}")
@@ -340,7 +344,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
                       temperature=temperature, batch_size=batch_size, max_length=max_length,
                       logprob_dtype=logprob_dtype, text_field=text_field, id_field=id_field,
                       ids_field=ids_field, dtype=dtype, device=device, shard_bytes=shard_bytes,
-                      progress=progress, rank=rank, world=world, start=start)
+                      store_tokens=store_tokens, progress=progress, rank=rank, world=world,
+                      start=start)
     finally:
         if started_group:
             import torch.distributed as dist
@@ -350,7 +355,7 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
 
 def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_size,
            max_length, logprob_dtype, text_field, id_field, ids_field, dtype, device,
-           shard_bytes, progress, rank, world, start) -> dict:
+           shard_bytes, store_tokens, progress, rank, world, start) -> dict:
     from . import tokenizer_fingerprint
     from .writer import TeacherStoreWriter
 
@@ -375,13 +380,10 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
         out, k=k, vocab_size=vocab, top_p=top_p, top_p_min_k=top_p_min_k,
         temperature=temperature, logprob_dtype=logprob_dtype,
         tokenizer_fingerprint=None if tokenizer is None else tokenizer_fingerprint(tokenizer),
-        metadata=metadata, shard_bytes=shard_bytes)
-    try:
-        stored = writer.manifest.get("metadata") or {}
-        for key in RESUME_METADATA:
-            if key in stored and stored[key] != metadata[key]:
-                raise ValueError(f"the teacher store {out} was built with {key}="
-                                 f"{stored[key]!r} but this build has {key}={metadata[key]!r}")
+        store_tokens=store_tokens, metadata=metadata, match_metadata=RESUME_METADATA,
+        shard_bytes=shard_bytes)
+    # (closed by an error before anything was stored, the writer binds no settings)
+    with writer:
         total = count_samples(data)
         mine = len(range(rank, total, world))
         bar = _Progress(progress, mine, rank, world)
@@ -431,8 +433,6 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
             run(pending)
             added += len(pending)
         bar.close()
-    finally:
-        writer.close()
     return {"path": out, "added": added, "skipped": skipped, "tokens": tokens,
             "seconds": time.perf_counter() - start, "rank": rank, "world_size": world}
 

@@ -2,10 +2,15 @@
 
 A store is a directory::
 
-    manifest.json                          the store's settings (written once, atomically)
+    manifest.json                          the store's settings (written once, atomically,
+                                           just before the first shard)
     shard-<writer>-<number>.safetensors    complete shards, any number of writers
     .shard-<writer>-<number>.safetensors.tmp-<pid>   a shard being written (never read)
     .writer-<writer>.lock                  held (flock) by the live writer of that name
+
+The manifest binds the settings only once something is stored: a writer that fails before its
+first shard leaves none, so the next one may use other settings. (A writer closed without an
+error writes it even with nothing stored: an empty store.)
 
 A shard is one safetensors file (https://github.com/huggingface/safetensors): a JSON header, then
 raw little-endian arrays, memory-mapped by the reader. Its tensors:
@@ -15,11 +20,15 @@ raw little-endian arrays, memory-mapped by the reader. Its tensors:
 - ``rest_logprob`` float32 ``[T]``: one ghost log-mass per token row (``T`` = token rows);
 - ``counts`` int32 ``[T]``: kept entries per row, only in shards where some row keeps fewer
   than K (top-p); otherwise every row keeps K;
+- ``input_ids`` int32 ``[T]``: the token id of each row, in the stores whose manifest has
+  ``store_tokens: true`` (the default; manifests without the key are ``false``);
 - ``seq_rows`` / ``seq_entries`` int64 ``[S + 1]``: where each sequence's rows and entries
   start;
 - ``token_hash`` uint8 ``[S, 16]``: BLAKE2b-128 of each sequence's token ids (int64 LE);
-- ``crc`` int64 ``[S]``: CRC-32 of each sequence's bytes in the four row tensors, checked on
-  every read.
+- ``crc`` int64 ``[S]``: CRC-32 of each sequence's bytes in ``indices``, ``logprobs``,
+  ``rest_logprob`` and ``counts`` (:data:`CRC_TENSORS`), checked on every read of its teacher.
+  A read of its ``input_ids`` is checked against its ``token_hash`` instead, so ``input_ids``
+  can be read alone (and readers that do not know it read the rest unchanged).
 
 The header's metadata holds the sample ids (JSON) with their SHA-256 (checked whenever a shard
 is opened) and a SHA-256 of every tensor, which ``verify`` checks in full.
@@ -42,16 +51,20 @@ MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
 SHARD_PATTERN = re.compile(r"^shard-(?P<writer>[A-Za-z0-9_.-]+)-(?P<number>\d{6,})\.safetensors$")
 WRITER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-ROW_TENSORS = ("indices", "logprobs", "rest_logprob", "counts")
+# The tensors each sequence's CRC-32 covers, in that order (``counts`` only where present).
+CRC_TENSORS = ("indices", "logprobs", "rest_logprob", "counts")
+TOKENS = "input_ids"
+ROW_TENSORS = CRC_TENSORS + (TOKENS,)
 SEQUENCE_TENSORS = ("seq_rows", "seq_entries", "token_hash", "crc")
 REQUIRED_TENSORS = ("indices", "logprobs", "rest_logprob") + SEQUENCE_TENSORS
+TOKEN_DTYPE = torch.int32
 LOGPROB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
 TOKEN_HASH = "blake2b-128 of the token ids as int64 little-endian"
 
 # The settings a reader may insist on, in the order errors name them.
 SETTINGS = ("vocab_size", "k", "top_p", "top_p_min_k", "temperature", "logprob_dtype",
-            "tokenizer_fingerprint")
+            "tokenizer_fingerprint", "store_tokens")
 
 
 def shard_name(writer: str, number: int) -> str:
@@ -91,6 +104,17 @@ def tensor_bytes(t: torch.Tensor):
     """The raw bytes of a tensor (any dtype, bfloat16 included), without a copy when
     contiguous."""
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def crc_parts(tensors: dict, rows, entries, i: int) -> list:
+    """Sequence ``i``'s parts of a shard's :data:`CRC_TENSORS`, in the order its CRC-32 covers
+    them; ``rows`` / ``entries`` are the shard's ``seq_rows`` / ``seq_entries``."""
+    r0, r1, e0, e1 = int(rows[i]), int(rows[i + 1]), int(entries[i]), int(entries[i + 1])
+    parts = [tensors["indices"][e0:e1], tensors["logprobs"][e0:e1],
+             tensors["rest_logprob"][r0:r1]]
+    if "counts" in tensors:
+        parts.append(tensors["counts"][r0:r1])
+    return parts
 
 
 def crc(tensors) -> int:
@@ -162,6 +186,7 @@ def read_manifest(path: str) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{file} has format_version={manifest.get('format_version')!r}; this "
                          f"topkd reads format_version={FORMAT_VERSION}")
+    manifest.setdefault("store_tokens", False)  # written before token ids were stored
     return manifest
 
 

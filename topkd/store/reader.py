@@ -52,6 +52,7 @@ class _Shard:
         self.handle = _open(path, file)
         keys = set(self.handle.keys())
         self.has_counts = "counts" in keys
+        self.has_tokens = fmt.TOKENS in keys
         # The small per-sequence arrays say where every read goes and what it must hash to:
         # check them in full once (the row data is checked per read, by its CRC-32).
         try:
@@ -72,6 +73,7 @@ class _Shard:
                        if name in keys}
 
     def read(self, i: int):
+        """Sequence ``i``'s parts of the tensors its CRC-32 covers, in that order."""
         r0, r1 = self.seq_rows[i], self.seq_rows[i + 1]
         e0, e1 = self.seq_entries[i], self.seq_entries[i + 1]
         parts = {"indices": self.slices["indices"][e0:e1],
@@ -80,6 +82,16 @@ class _Shard:
         if self.has_counts:
             parts["counts"] = self.slices["counts"][r0:r1]
         return parts
+
+    def tokens(self, i: int) -> torch.Tensor:
+        return self.slices[fmt.TOKENS][self.seq_rows[i]:self.seq_rows[i + 1]]
+
+
+class MissingSampleError(KeyError):
+    """A sample id that is not in the store (a KeyError whose text reads as a sentence)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class TeacherStore:
@@ -133,6 +145,11 @@ class TeacherStore:
     def temperature(self) -> float:
         return self.manifest["temperature"]
 
+    @property
+    def store_tokens(self) -> bool:
+        """Whether the token ids are stored (:meth:`tokens`)."""
+        return bool(self.manifest["store_tokens"])
+
     def __len__(self) -> int:
         return len(self._where)
 
@@ -160,6 +177,58 @@ class TeacherStore:
             shard = self._shards[number] = _Shard(self.path, self.files[number])
         return shard
 
+    def _locate(self, sample_id) -> tuple[_Shard, int]:
+        key = fmt.sample_key(sample_id)
+        where = self._where.get(key) if key is not None else None
+        if where is None:
+            raise MissingSampleError(self._missing(sample_id, key))
+        number, position = where
+        return self._shard(number), position
+
+    def _missing(self, sample_id, key) -> str:
+        message = f"sample_id {sample_id!r} is not in the teacher store {self.path}"
+        if not self._where:
+            return message + " (it holds no samples)"
+        example = next(iter(self._where))
+        message += (f" ({len(self._where)} ids, e.g. {example!r}); a store is read with the "
+                    f"ids it was built with (the data's id field, default the 0-based line or "
+                    f"row number)")
+        # the same id of the other type (5 and "5" are different ids)
+        other = str(key) if isinstance(key, int) else None
+        if isinstance(key, str):
+            try:
+                other = int(key)
+            except ValueError:
+                pass
+        if other is not None and other in self._where:
+            message += f"; the store has {other!r}, of type {type(other).__name__}"
+        return message
+
+    def tokens(self, sample_id) -> torch.Tensor:
+        """The token ids stored with one sequence, int64 ``[L]``: those its teacher rows were
+        computed from (after the build's truncation), checked against its stored token hash
+        when the store verifies reads. A store built without them (``store_tokens=False``,
+        ``--no-tokens``, or by an older topkd) raises a ValueError."""
+        shard, position = self._locate(sample_id)
+        if not shard.has_tokens:
+            if self.store_tokens:
+                raise ValueError(f"teacher store shard {shard.file} has no input_ids though the "
+                                 f"manifest says store_tokens=true; run "
+                                 f"`topkd store verify {self.path}`")
+            raise ValueError(
+                f"the teacher store {self.path} holds no token ids (built with "
+                f"store_tokens=False / --no-tokens, or by a topkd that did not store them); "
+                f"give them with the sample ids, TeacherDataset(store, samples=[(sample_id, "
+                f"input_ids), ...]), tokenized exactly as for the build, or rebuild the store "
+                f"into a new directory without --no-tokens")
+        ids = shard.tokens(position).to(torch.int64)
+        stored = bytes(shard.token_hash[position].tolist())
+        if self.verify_reads and fmt.token_hash(ids) != stored:
+            raise ValueError(f"sample_id {sample_id!r}: its token ids in teacher store shard "
+                             f"{shard.file} are damaged (token hash mismatch); run "
+                             f"`topkd store verify {self.path}`")
+        return ids
+
     def get(self, sample_id, input_ids=None) -> SparseTeacher:
         """The stored teacher of one sequence: a :class:`~topkd.SparseTeacher` ``[L, K]``
         (indices int64, logprobs float32 widened from the store's dtype, unused slots ``-1`` /
@@ -167,13 +236,11 @@ class TeacherStore:
 
         With ``input_ids`` (the tokens the student will see), their hash must equal the stored
         one: a store row never meets tokens it was not computed from.
+
+        A sample id not in the store raises a KeyError that names it, the store and an id the
+        store holds.
         """
-        try:
-            number, position = self._where[fmt.sample_key(sample_id)]
-        except KeyError:
-            raise KeyError(f"sample_id {sample_id!r} is not in the teacher store "
-                           f"{self.path}") from None
-        shard = self._shard(number)
+        shard, position = self._locate(sample_id)
         if input_ids is not None:
             stored = bytes(shard.token_hash[position].tolist())
             if fmt.token_hash(input_ids) != stored:

@@ -12,7 +12,8 @@ from .reader import _open, shard_ids
 def verify_store(path: str) -> list[str]:
     """Every problem found in the store at ``path``, one line each naming its file; empty when
     the store is whole. Reads every shard in full (SHA-256 of each tensor), checks the
-    per-sequence layout and CRC-32s, and that no sample id is stored twice."""
+    per-sequence layout, CRC-32s and stored token ids (against their token hashes), and that no
+    sample id is stored twice."""
     path = os.fspath(path)
     try:
         manifest = fmt.read_manifest(path)
@@ -70,15 +71,20 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
     )
     if not consistent:
         raise bad("sequence offsets, counts and array lengths disagree")
+    tokens = tensors.get(fmt.TOKENS)
+    if manifest["store_tokens"] and tokens is None:
+        raise bad(f"no {fmt.TOKENS} though the manifest says store_tokens=true")
+    if tokens is not None and (tokens.dtype != fmt.TOKEN_DTYPE
+                               or tuple(tokens.shape) != (rows[-1],)):
+        raise bad(f"{fmt.TOKENS} is {tokens.dtype} {tuple(tokens.shape)}, expected "
+                  f"{fmt.TOKEN_DTYPE} ({rows[-1]},)")
     if str(tensors["logprobs"].dtype) != f"torch.{manifest['logprob_dtype']}":
         raise bad(f"logprobs are {tensors['logprobs'].dtype}, the manifest says "
                   f"{manifest['logprob_dtype']}")
     for i, sample_id in enumerate(ids):
-        parts = [tensors["indices"][entries[i]:entries[i + 1]],
-                 tensors["logprobs"][entries[i]:entries[i + 1]],
-                 tensors["rest_logprob"][rows[i]:rows[i + 1]]]
-        if counts is not None:
-            parts.append(counts[rows[i]:rows[i + 1]])
-        if fmt.crc(parts) != int(tensors["crc"][i]):
+        if fmt.crc(fmt.crc_parts(tensors, rows, entries, i)) != int(tensors["crc"][i]):
             raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
+        if tokens is not None and fmt.token_hash(tokens[rows[i]:rows[i + 1]]) != bytes(
+                tensors["token_hash"][i].tolist()):
+            raise bad(f"sample_id {sample_id!r}: its {fmt.TOKENS} do not match its token hash")
     return ids

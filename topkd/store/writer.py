@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import re
+from collections.abc import Iterable
 from functools import partial
 
 import torch
@@ -32,7 +33,12 @@ class TeacherStoreWriter:
             loss error). Indices are int32 and the ghost log-mass float32 in every case.
         tokenizer_fingerprint: identifies the tokenizer (see :func:`tokenizer_fingerprint`);
             a reader asking for another one is refused.
+        store_tokens: keep each sequence's token ids (int32, 4 B per token) with its rows, so
+            training can read them from the store (:meth:`TeacherStore.tokens`,
+            ``TeacherDataset(store)``). Default True; a store setting like the others.
         metadata: free JSON-serializable information kept in the manifest.
+        match_metadata: keys of ``metadata`` whose values an existing store must share (when
+            it has them): a resumed build refuses another teacher this way.
         name: this writer's name in shard file names; default ``rank<R>`` under
             ``torch.distributed``, else ``main``. Two live writers may not share a name.
         shard_bytes: a shard is written once its rows reach this many bytes (default 256 MiB).
@@ -41,12 +47,18 @@ class TeacherStoreWriter:
     loses at most the rows not yet in a shard. Reopening a store resumes it: the settings must
     match the manifest (an error names both values), ``sample_id in writer`` tells what is
     stored already, and adding a stored id again is an error.
+
+    The manifest is written just before the first shard (or by :meth:`close` when nothing was
+    added), so a writer that fails before storing anything binds no settings. Of concurrent
+    writers with different settings on a new store, the first to write a shard wins; the others
+    are refused at their first shard (and closed, their rows dropped).
     """
 
     def __init__(self, path: str, *, k: int, vocab_size: int, top_p: float | None = None,
                  top_p_min_k: int = 1, temperature: float = 1.0,
                  logprob_dtype: str = "float16", tokenizer_fingerprint: str | None = None,
-                 metadata: dict | None = None, name: str | None = None,
+                 store_tokens: bool = True, metadata: dict | None = None,
+                 match_metadata: Iterable[str] = (), name: str | None = None,
                  shard_bytes: int = 256 * 2**20):
         vocab_size = _checks.integer("vocab_size", vocab_size, 1, _checks.MAX_VOCAB)
         k = _checks.integer("k", k, 1, vocab_size)
@@ -56,6 +68,8 @@ class TeacherStoreWriter:
         if tokenizer_fingerprint is not None and not isinstance(tokenizer_fingerprint, str):
             raise TypeError(f"tokenizer_fingerprint must be a str or None, got "
                             f"{type(tokenizer_fingerprint).__name__}")
+        if not isinstance(store_tokens, bool):
+            raise TypeError(f"store_tokens must be a bool, got {store_tokens!r}")
         self.shard_bytes = _checks.integer("shard_bytes", shard_bytes, 1)
         self.name = _default_name() if name is None else name
         if not isinstance(self.name, str) or not fmt.WRITER_NAME.match(self.name):
@@ -64,19 +78,23 @@ class TeacherStoreWriter:
             metadata_json = json.loads(json.dumps({} if metadata is None else metadata))
         except TypeError as e:
             raise TypeError(f"metadata must be JSON-serializable: {e}") from None
+        self._metadata, self._match_metadata = metadata_json, tuple(match_metadata)
 
         self.path = os.fspath(path)
         os.makedirs(self.path, exist_ok=True)
         self.settings = {"vocab_size": vocab_size, "k": k, "top_p": top_p,
                          "top_p_min_k": top_p_min_k, "temperature": temperature,
                          "logprob_dtype": logprob_dtype,
-                         "tokenizer_fingerprint": tokenizer_fingerprint}
+                         "tokenizer_fingerprint": tokenizer_fingerprint,
+                         "store_tokens": store_tokens}
         try:
             import safetensors.torch  # noqa: F401  (needed at the first shard: fail now)
         except ImportError:
             raise ImportError("the teacher store needs safetensors: pip install "
                               "'topkd[store]'") from None
-        self.manifest = self._open_manifest(metadata_json)
+        existing = self._existing_manifest()
+        self._bound = existing is not None
+        self.manifest = existing if self._bound else self._new_manifest(metadata_json)
         self._lock = self._take_lock()
         try:
             self._remove_own_temporaries()
@@ -98,17 +116,63 @@ class TeacherStoreWriter:
 
     # -- setup -------------------------------------------------------------------------------
 
-    def _open_manifest(self, metadata: dict) -> dict:
+    def _new_manifest(self, metadata: dict) -> dict:
         manifest = {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
                     **self.settings, "index_dtype": "int32", "rest_dtype": "float32",
                     "token_hash": fmt.TOKEN_HASH, "metadata": metadata}
-        data = json.dumps(manifest, indent=2, sort_keys=True).encode()
-        # Exclusive create: of several writers starting together, one manifest wins and the
+        if self.settings["store_tokens"]:
+            manifest["input_ids_dtype"] = "int32"
+        return manifest
+
+    def _existing_manifest(self) -> dict | None:
+        """The store's manifest, checked against this writer; None for a store not yet bound."""
+        # Shards are listed before the manifest is read: a manifest is written before any
+        # shard, so shards seen without one were left by something else than a writer.
+        files = fmt.shard_files(self.path)
+        try:
+            existing = fmt.read_manifest(self.path)
+        except FileNotFoundError:
+            if files:
+                raise ValueError(f"{self.path} holds teacher store shards ({files[0]}, ...) but "
+                                 f"no {fmt.MANIFEST}: its settings are unknown; write into "
+                                 f"another directory") from None
+            return None
+        try:
+            self._check(existing)
+        except ValueError as e:
+            if files:
+                raise
+            raise ValueError(f"{e} (the store holds no shards: if no writer is running on it, "
+                             f"delete {os.path.join(self.path, fmt.MANIFEST)} to start "
+                             f"over)") from None
+        return existing
+
+    def _check(self, existing: dict) -> None:
+        fmt.check_settings(existing, self.settings, self.path, "this writer has", strict=True)
+        stored, mine = existing.get("metadata") or {}, self._metadata
+        for key in self._match_metadata:
+            if key in stored and stored[key] != mine.get(key):
+                raise ValueError(f"the teacher store {self.path} was written with {key}="
+                                 f"{stored[key]!r} but this writer has {key}={mine.get(key)!r}")
+
+    def _bind(self) -> None:
+        """Write the manifest, or check this writer against the one another writer wrote first;
+        on a mismatch this writer can store nothing: it is closed and its rows dropped."""
+        if self._bound:
+            return
+        data = json.dumps(self.manifest, indent=2, sort_keys=True).encode()
+        # Exclusive create: of several writers binding together, one manifest wins and the
         # others check theirs against it.
         fmt.write_durably(self.path, fmt.MANIFEST, data, exclusive=True)
         existing = fmt.read_manifest(self.path)
-        fmt.check_settings(existing, self.settings, self.path, "this writer has", strict=True)
-        return existing
+        try:
+            self._check(existing)
+        except ValueError:
+            self._pending, self._pending_bytes = [], 0
+            self.closed = True
+            self._lock.close()
+            raise
+        self.manifest, self._bound = existing, True
 
     def _take_lock(self):
         lock = open(os.path.join(self.path, f".writer-{self.name}.lock"), "w")
@@ -140,6 +204,8 @@ class TeacherStoreWriter:
     def add(self, sample_id, input_ids, teacher: SparseTeacher) -> None:
         """Store one sequence: its id (str or int), its token ids ``[L]`` and its teacher rows
         (a :class:`~topkd.SparseTeacher` with leading shape ``[L]``, from the same tokens).
+        The token ids are stored too (as int32) unless the writer has ``store_tokens=False``;
+        their hash is stored in every case.
 
         The sequence is queued, and written with the next shard; if writing that shard fails,
         it stays queued for the next :meth:`flush` or :meth:`close`."""
@@ -152,10 +218,12 @@ class TeacherStoreWriter:
             raise ValueError(f"sample_id {sample_id!r} is already in the store {self.path}")
         token_hash = fmt.token_hash(input_ids)
         length = len(input_ids)
-        rows = self._rows(sample_id, teacher, length)
+        rows = dict(zip(fmt.CRC_TENSORS, self._rows(sample_id, teacher, length), strict=True))
+        if self.settings["store_tokens"]:
+            rows[fmt.TOKENS] = self._tokens(sample_id, input_ids)
         self._stored.add(sample_id)
-        self._pending.append((sample_id, token_hash, *rows))
-        self._pending_bytes += sum(t.numel() * t.element_size() for t in rows)
+        self._pending.append((sample_id, token_hash, rows))
+        self._pending_bytes += sum(t.numel() * t.element_size() for t in rows.values())
         if self._pending_bytes >= self.shard_bytes:
             self.flush()
 
@@ -202,6 +270,14 @@ class TeacherStoreWriter:
         return (indices.to(torch.int32), logprobs.to(self._logprob_dtype),
                 rest, counts.to(torch.int32))
 
+    def _tokens(self, sample_id, input_ids) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids).cpu().to(torch.int64).reshape(-1)
+        info = torch.iinfo(fmt.TOKEN_DTYPE)
+        if ids.numel() and (int(ids.min()) < info.min or int(ids.max()) > info.max):
+            raise ValueError(f"sample {sample_id!r}: token ids must fit in int32 to be stored, "
+                             f"got {int(ids.min())}..{int(ids.max())}; use store_tokens=False")
+        return ids.to(fmt.TOKEN_DTYPE)
+
     def flush(self) -> None:
         """Write the pending sequences as one shard (nothing if there are none)."""
         self._check_open()
@@ -210,15 +286,15 @@ class TeacherStoreWriter:
         from safetensors.torch import save_file
 
         ids = [p[0] for p in self._pending]
-        columns = zip(*[p[2:] for p in self._pending], strict=True)
-        tensors = {n: torch.cat(c) for n, c in zip(fmt.ROW_TENSORS, columns, strict=True)}
-        rows = torch.tensor([0] + [len(p[4]) for p in self._pending]).cumsum(0)
-        entries = torch.tensor([0] + [len(p[2]) for p in self._pending]).cumsum(0)
+        parts = [p[2] for p in self._pending]
+        tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+        rows = torch.tensor([0] + [len(p["rest_logprob"]) for p in parts]).cumsum(0)
+        entries = torch.tensor([0] + [len(p["indices"]) for p in parts]).cumsum(0)
         if bool((tensors["counts"] == self.settings["k"]).all()):
             del tensors["counts"]  # every row full: the counts say nothing
         crcs = []
         for i in range(len(ids)):
-            crcs.append(fmt.crc(_sequence_slices(tensors, rows, entries, i)))
+            crcs.append(fmt.crc(fmt.crc_parts(tensors, rows, entries, i)))
         tensors["seq_rows"], tensors["seq_entries"] = rows, entries
         tensors["token_hash"] = torch.tensor([list(p[1]) for p in self._pending],
                                              dtype=torch.uint8).reshape(len(ids), 16)
@@ -228,19 +304,27 @@ class TeacherStoreWriter:
                     "sample_ids_sha256": fmt.ids_sha256(ids_json),
                     "sha256": json.dumps({n: fmt.sha256(t) for n, t in tensors.items()})}
         name = fmt.shard_name(self.name, self._next_number)
+        self._bind()
         # (save_file streams the tensors to the file: no shard-sized bytes copy)
         fmt.write_durably(self.path, name, partial(save_file, tensors, metadata=metadata))
         self._next_number += 1
         self._pending, self._pending_bytes = [], 0
 
     def close(self) -> None:
-        """Write what is pending and release the directory. If the write fails, the writer
-        stays open (and the rows queued), so ``close`` can be called again."""
+        """Write what is pending and release the directory; a store still without a manifest
+        (nothing was ever stored) gets one: an empty store. If a write fails, the writer stays
+        open (and the rows queued), so ``close`` can be called again."""
+        self._close(bind=True)
+
+    def _close(self, *, bind: bool) -> None:
         if self.closed:
             return
         self.flush()
-        self.closed = True
-        self._lock.close()
+        if bind:
+            self._bind()
+        if not self.closed:  # (a refused _bind has closed it)
+            self.closed = True
+            self._lock.close()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -249,18 +333,10 @@ class TeacherStoreWriter:
     def __enter__(self) -> TeacherStoreWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _sequence_slices(tensors: dict, rows, entries, i: int):
-    """Sequence ``i``'s parts of the row tensors, in the order its CRC covers them."""
-    r0, r1, e0, e1 = int(rows[i]), int(rows[i + 1]), int(entries[i]), int(entries[i + 1])
-    parts = [tensors["indices"][e0:e1], tensors["logprobs"][e0:e1],
-             tensors["rest_logprob"][r0:r1]]
-    if "counts" in tensors:
-        parts.append(tensors["counts"][r0:r1])
-    return parts
+    def __exit__(self, exc_type, *exc) -> None:
+        # Closed by an error: keep what was added, but a store with nothing in it stays
+        # unbound, so a corrected run may choose other settings.
+        self._close(bind=exc_type is None)
 
 
 def _default_name() -> str:
