@@ -1,8 +1,10 @@
-"""The ``topkd`` command line: build, inspect and verify teacher stores.
+"""The ``topkd`` command line: build, inspect and verify teacher stores; distill; the demo.
 
     topkd store build --teacher DIR --data FILE --k 64 --out DIR [options]
     topkd store info DIR
     topkd store verify DIR
+    topkd distill --teacher DIR --student DIR --data FILE --out DIR [options]
+    topkd demo [options]
 
 Also ``python -m topkd ...``.
 """
@@ -50,7 +52,8 @@ def _float_in(name: str, low: float, high: float | None, low_open: bool = True):
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         above = value > low if low_open else value >= low
         if not math.isfinite(value) or not above or (high is not None and value > high):
-            bound = f"({low}, {high}]" if high is not None else f"> {low}"
+            bound = (f"{'(' if low_open else '['}{low}, {high}]" if high is not None
+                     else f"{'>' if low_open else '>='} {low}")
             raise argparse.ArgumentTypeError(f"{name} must be in {bound}, got {text}")
         return value
 
@@ -58,7 +61,9 @@ def _float_in(name: str, low: float, high: float | None, low_open: bool = True):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The parser; ``argv`` (the arguments to be parsed) names the command whose options are
+    defined elsewhere and imported only when it runs (``demo``)."""
     parser = argparse.ArgumentParser(
         prog="topkd", description="topkd: exact knowledge-distillation losses; offline "
         "teacher stores.")
@@ -109,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "else cpu; cuda:LOCAL_RANK under torchrun)")
     build.add_argument("--shard-mib", type=_float_in("--shard-mib", 0.0, None), default=256.0,
                        metavar="MIB", help="write a shard every MIB MiB of rows (default 256)")
+    build.add_argument("--no-tokens", action="store_true",
+                       help="do not store the token ids (saves 4 B per token; training must "
+                       "then tokenize the data exactly as this build did)")
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.set_defaults(run=_build)
 
@@ -124,12 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
         "duplicate ids). Prints each problem and exits 1 if there is any.")
     verify.add_argument("path", metavar="DIR", help="the store's directory")
     verify.set_defaults(run=_verify)
+    _add_distill(commands)
+    _add_demo(commands, load=bool(argv) and argv[0] == "demo")
     return parser
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "demo_error", None) is None:  # (a demo that failed to import
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # reports that instead)
     return args.run(parser, args)
 
 
@@ -169,7 +182,7 @@ def _build(parser, args) -> int:
             logprob_dtype=args.logprob_dtype, text_field=args.text_field,
             id_field=args.id_field, ids_field=args.ids_field, dtype=args.dtype,
             device=args.device, shard_bytes=max(1, int(args.shard_mib * 2**20)),
-            progress=not args.no_progress)
+            store_tokens=not args.no_tokens, progress=not args.no_progress)
     except (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError) as e:
         return _fail(prog, e)
     who = "" if summary["world_size"] == 1 else f"rank {summary['rank']}: "
@@ -190,7 +203,7 @@ def store_info(path: str) -> dict:
     unfinished = [n for n in os.listdir(store.path)
                   if n.startswith(".shard-") and ".safetensors.tmp" in n]
     return {"path": store.path, "manifest": store.manifest, "sequences": len(store),
-            "tokens": tokens, "bytes": nbytes,
+            "tokens": tokens, "store_tokens": store.store_tokens, "bytes": nbytes,
             "manifest_bytes": os.path.getsize(os.path.join(store.path, fmt.MANIFEST)),
             "bytes_per_token": nbytes / tokens if tokens else None,
             "shards": len(store.files), "unfinished_shards": len(unfinished)}
@@ -211,6 +224,7 @@ def _info(parser, args) -> int:
     per_token = info["bytes_per_token"]
     print(f"sequences: {info['sequences']}")
     print(f"tokens: {info['tokens']}")
+    print(f"token ids stored: {'yes' if info['store_tokens'] else 'no'}")
     print(f"bytes on disk: {info['bytes']} ({info['bytes'] / 2**20:.2f} MiB in shards)")
     print(f"bytes per token: {'-' if per_token is None else f'{per_token:.1f}'}")
     print(f"shards: {info['shards']}")
@@ -232,6 +246,208 @@ def _verify(parser, args) -> int:
     store = TeacherStore(args.path, verify_reads=False)
     print(f"ok: {len(store)} sequences, {len(store.files)} shards")
     return 0
+
+
+# -- topkd distill ---------------------------------------------------------------------------
+
+EPILOG_DISTILL = """\
+The data files are read as by `topkd store build` (JSON Lines, Parquet, text; the same
+--text-field / --ids-field / --id-field) and tokenized with the student's tokenizer (else the
+teacher's); every token is learned (no prompt masking); sequences under 2 tokens are skipped.
+
+Online (--teacher): the teacher runs beside the student. Offline (--store): the teacher's
+top-K rows are read from a store built from the same data file (the same sample ids; its
+max_length is the default), and no teacher model is loaded.
+
+OUT receives checkpoint-N directories every --save-steps steps (and at the end), the run's
+settings (topkd_distill.json) and the distilled student (model and tokenizer). --resume
+continues a stopped or killed run from its newest complete checkpoint, with the same data
+order, and ends where an uninterrupted run ends.
+
+Under torchrun every rank runs this command (DDP; gloo on CPU, NCCL on CUDA).
+"""
+
+DIVERGENCES = ("kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
+
+
+def _add_distill(commands) -> None:
+    p = commands.add_parser(
+        "distill", help="distill a teacher (a model, or its store) into a student",
+        description="Distill a Hugging Face causal LM teacher, run online or read from a "
+        "teacher store, into a student (topkd.hf.KDTrainer), and save the student.",
+        epilog=EPILOG_DISTILL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--teacher", metavar="DIR", help="the teacher's model directory (online; "
+                   "not loaded with --store)")
+    p.add_argument("--student", required=True, metavar="DIR",
+                   help="the student's model directory (trained in float32 parameters)")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help="JSON Lines, Parquet or text file")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="checkpoints, the run's settings and the distilled student")
+    p.add_argument("--store", metavar="DIR", help="a teacher store built from --data (offline)")
+    p.add_argument("--eval-data", metavar="FILE", help="held-out data: KL(teacher || student) "
+                   "and CE before and after (with --store: read from the store too)")
+    p.add_argument("--eval-steps", type=_int_at_least(1), metavar="N",
+                   help="also evaluate every N steps")
+    p.add_argument("--k", type=_int_at_least(1), help="teacher entries kept per token (default: "
+                   "the full vocabulary online, the store's k offline)")
+    p.add_argument("--top-p", type=_float_in("--top-p", 0.0, 1.0), metavar="P",
+                   help="also cut the teacher's top-k at top-p mass (online, with --k)")
+    p.add_argument("--temperature", type=_float_in("--temperature", 0.0, None), metavar="T",
+                   help="distillation temperature (default 1 online, the store's offline)")
+    p.add_argument("--divergence", choices=DIVERGENCES, default="kl",
+                   help="default kl: KL(teacher || student)")
+    p.add_argument("--beta", type=_float_in("--beta", 0.0, 1.0, low_open=False),
+                   help="JSD's mixture weight (with --divergence jsd; default 0.5)")
+    p.add_argument("--alpha", type=_float_in("--alpha", 0.0, 1.0, low_open=False),
+                   help="skew KL's mixture weight (with --divergence skew_kl or "
+                   "skew_reverse_kl; default 0.1)")
+    p.add_argument("--kd-weight", type=_float_in("--kd-weight", 0.0, None, low_open=False),
+                   default=1.0, metavar="W", help="weight of the KD term (default 1)")
+    p.add_argument("--ce-weight", type=_float_in("--ce-weight", 0.0, None, low_open=False),
+                   default=0.0, metavar="W", help="weight of the next-token CE (default 0)")
+    p.add_argument("--max-steps", type=_int_at_least(1), metavar="N",
+                   help="optimizer steps (default: --epochs passes over the data)")
+    p.add_argument("--epochs", type=_float_in("--epochs", 0.0, None), metavar="E",
+                   help="passes over the data when --max-steps is not given (default 1)")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=8, metavar="B",
+                   help="sequences per device per micro-batch (default 8)")
+    p.add_argument("--grad-accum", type=_int_at_least(1), default=1, metavar="G",
+                   help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--lr", type=_float_in("--lr", 0.0, None), default=5e-5,
+                   help="peak learning rate, AdamW, linear decay (default 5e-5)")
+    p.add_argument("--max-length", type=_int_at_least(2), metavar="L",
+                   help="truncate every sequence to L tokens (default: none, or the store's)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (float32 parameters)")
+    p.add_argument("--teacher-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the online teacher's weights (default bfloat16 with --bf16, else "
+                   "float32; auto: the checkpoint's)")
+    p.add_argument("--seed", type=int, default=42, help="seed of the data order (default 42)")
+    p.add_argument("--save-steps", type=_int_at_least(1), default=500, metavar="N",
+                   help="a checkpoint every N steps, and at the end (default 500)")
+    p.add_argument("--save-total-limit", type=_int_at_least(0), default=2, metavar="N",
+                   help="keep the newest N checkpoints (0: all; default 2)")
+    p.add_argument("--logging-steps", type=_int_at_least(1), default=10, metavar="N",
+                   help="log loss and kd every N steps, and at the end (default 10)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="text field of JSON Lines / Parquet samples (default text)")
+    p.add_argument("--ids-field", default="input_ids", metavar="NAME",
+                   help="token ids field of JSON Lines / Parquet samples (default input_ids)")
+    p.add_argument("--id-field", default="id", metavar="NAME",
+                   help="sample id field of JSON Lines / Parquet samples (default id)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(run=lambda _, args: _distill(p, args))  # (errors show distill's usage)
+
+
+def _distill(parser, args) -> int:
+    prog = "topkd distill"
+    if args.teacher is None and args.store is None:
+        parser.error("one of --teacher (online) and --store (offline) is required")
+    for name, path in (("--teacher", args.teacher), ("--student", args.student),
+                       ("--store", args.store)):
+        if path is not None and not os.path.isdir(path):
+            parser.error(f"argument {name}: {path!r} is not a directory")
+    from .store.build import data_format
+
+    for name, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            parser.error(f"argument {name}: {path!r} is not a file")
+        try:
+            data_format(path)
+        except ValueError as e:
+            parser.error(f"argument {name}: {e}")
+    if args.beta is not None and args.divergence != "jsd":
+        parser.error(f"argument --beta: only with --divergence jsd (got {args.divergence})")
+    if args.alpha is not None and args.divergence not in ("skew_kl", "skew_reverse_kl"):
+        parser.error(f"argument --alpha: only with --divergence skew_kl or skew_reverse_kl "
+                     f"(got {args.divergence})")
+    if args.top_p is not None and (args.k is None or args.store is not None):
+        parser.error("argument --top-p: needs --k, online (a store's rows were cut at build)")
+    if args.store is not None and args.teacher_dtype is not None:
+        parser.error("argument --teacher-dtype: no teacher is loaded with --store")
+    if args.max_steps is not None and args.epochs is not None:
+        parser.error("argument --epochs: give --max-steps or --epochs, not both")
+    if args.eval_steps is not None and args.eval_data is None:
+        parser.error("argument --eval-steps: needs --eval-data")
+    if args.kd_weight == 0 and args.ce_weight == 0:
+        parser.error("--kd-weight and --ce-weight are both 0: nothing to train")
+    if args.store is not None and args.teacher is not None:
+        print(f"{prog}: offline: the teacher in {args.teacher} is not loaded (its rows come "
+              f"from {args.store})", file=sys.stderr)
+    if args.no_progress:
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
+    try:
+        from .hf.distill import distill, summary_lines
+
+        summary = distill(
+            args.student, args.data, args.out,
+            teacher=None if args.store is not None else args.teacher, store=args.store,
+            eval_data=args.eval_data, k=args.k, top_p=args.top_p,
+            temperature=args.temperature, divergence=args.divergence,
+            beta=0.5 if args.beta is None else args.beta,
+            alpha=0.1 if args.alpha is None else args.alpha, kd_weight=args.kd_weight,
+            ce_weight=args.ce_weight, max_steps=args.max_steps,
+            epochs=1.0 if args.epochs is None else args.epochs, batch_size=args.batch_size,
+            grad_accum=args.grad_accum, lr=args.lr, max_length=args.max_length,
+            bf16=args.bf16, teacher_dtype=args.teacher_dtype, seed=args.seed,
+            save_steps=args.save_steps, save_total_limit=args.save_total_limit or None,
+            logging_steps=args.logging_steps, eval_steps=args.eval_steps, resume=args.resume,
+            text_field=args.text_field, id_field=args.id_field, ids_field=args.ids_field,
+            progress=not args.no_progress)
+    except (ValueError, TypeError, KeyError, OSError, ImportError) as e:
+        return _fail(prog, e)
+    finally:
+        _end_process_group()
+    if summary["rank"] == 0:
+        for line in summary_lines(summary):
+            print(f"{prog}: {line}")
+    return 0
+
+
+def _end_process_group() -> None:
+    """torchrun: the Trainer started the process group; the command ends it."""
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+# -- topkd demo ------------------------------------------------------------------------------
+
+def _add_demo(commands, load: bool) -> None:
+    """``topkd demo``: its options and its body live in :mod:`topkd.hf.demo`, imported only
+    when the command runs (it needs transformers)."""
+    demo = commands.add_parser(
+        "demo", help="train a tiny teacher on a synthetic language and distill it three ways "
+        "(no downloads, a few minutes on CPU)",
+        description="Generate a synthetic corpus, train a small teacher on it, distill a "
+        "student three ways (CE only, online top-K KD, KD from a store) and print a table.")
+    demo.set_defaults(run=_demo, demo_error=None)
+    if not load:
+        return
+    try:
+        from .hf import demo as module
+
+        module.add_arguments(demo)
+    except ImportError as e:  # _demo reports it, whatever the options
+        demo.set_defaults(demo_error=e)
+
+
+def _demo(parser, args) -> int:
+    if args.demo_error is not None:
+        return _fail("topkd demo", f"{args.demo_error} (topkd demo needs "
+                     f"pip install 'topkd[hf]')")
+    from .hf import demo
+
+    return demo.run(args)
 
 
 if __name__ == "__main__":
