@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from ..store import collate_teachers, require_keys
 from ..teacher import SparseTeacher
 
 
 def _sequence(item: dict, key: str) -> torch.Tensor:
     return torch.as_tensor(item[key], dtype=torch.int64).reshape(-1)
-
-
-def require_keys(item, keys, where: str) -> None:
-    """A dataset item must be a mapping holding ``keys``: a ValueError naming what is missing,
-    what is there, and the usual cause, instead of a bare KeyError inside collate."""
-    if not isinstance(item, dict):
-        raise TypeError(f"{where}: dataset items must be dicts, got {type(item).__name__}")
-    missing = [key for key in keys if key not in item]
-    if missing:
-        raise ValueError(
-            f"{where}: a dataset item has no {', '.join(map(repr, missing))} (it has "
-            f"{sorted(item)}). Give every item these keys; if the dataset has them, the "
-            f"Trainer's remove_unused_columns=True dropped them (KDConfig's default is False)")
 
 
 class KDCollator:
@@ -49,7 +37,8 @@ class KDCollator:
         items = list(items)
         keys = ("input_ids",) if self.store is None else ("input_ids", "sample_id")
         for item in items:
-            require_keys(item, keys if "teacher" not in item else ("input_ids",), "KDCollator")
+            require_keys(item, keys if "teacher" not in item else ("input_ids",),
+                         "KDTrainer's collator")
         ids = [_sequence(item, "input_ids") for item in items]
         length = max((len(s) for s in ids), default=0)
         if self.multiple:
@@ -60,14 +49,14 @@ class KDCollator:
         labels = torch.full((batch, length), -100, dtype=torch.int64)
         for b, (item, seq) in enumerate(zip(items, ids, strict=True)):
             n = len(seq)
+            for key in ("attention_mask", "labels"):  # before the copies below would fail
+                if key in item and len(_sequence(item, key)) != n:
+                    raise ValueError(f"KDCollator: item {b} has {n} input_ids but "
+                                     f"{len(_sequence(item, key))} {key}")
             input_ids[b, :n] = seq
             attention[b, :n] = _sequence(item, "attention_mask") if "attention_mask" in item \
                 else 1
             labels[b, :n] = _sequence(item, "labels") if "labels" in item else seq
-            for key in ("attention_mask", "labels"):
-                if key in item and len(_sequence(item, key)) != n:
-                    raise ValueError(f"KDCollator: item {b} has {n} input_ids but "
-                                     f"{len(_sequence(item, key))} {key}")
         labels[attention == 0] = -100
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
         if self.store is not None:
@@ -76,8 +65,6 @@ class KDCollator:
         return out
 
     def _teachers(self, items, ids, length) -> SparseTeacher:
-        from ..store import collate_teachers
-
         teachers = []
         for item, seq in zip(items, ids, strict=True):
             teacher = item.get("teacher")

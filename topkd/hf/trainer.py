@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
+from transformers.training_args import ParallelMode
 
 from .. import divergences
 from ..fused import fused_kl_loss, fused_topk_kl_loss
@@ -123,6 +124,13 @@ class KDTrainer(Trainer):
             data_collator = KDCollator(0 if pad is None else pad, store=store)
         super().__init__(model=model, args=args, data_collator=data_collator,
                          processing_class=processing_class, **kwargs)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+                and args.parallel_mode != ParallelMode.DISTRIBUTED:
+            # (on CPU, accelerate runs DDP only with use_cpu=True; without it every rank would
+            # train its own copy while the token count is summed over all of them)
+            raise ValueError(f"a process group of {dist.get_world_size()} ranks is running but "
+                             f"the Trainer is not distributed (parallel_mode="
+                             f"{args.parallel_mode}); on CPU pass use_cpu=True")
         self.loss_is_scaled_for_ga = True  # the loss is divided by the step's global count
         self.teacher, self.store = teacher, store
         widths = {"student": head(self.model)[0].shape[0]}
@@ -147,7 +155,9 @@ class KDTrainer(Trainer):
         count = torch.tensor(count, dtype=torch.int64, device=device)
         if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(count)
-        return count
+        # a step that learns no token (every label -100) divides its zero sum by 1: 0 / 0
+        # would make every gradient, then every parameter, NaN
+        return count.clamp_(min=1)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         parts = self._parts(model, inputs, self.args.ce_weight)
@@ -228,17 +238,20 @@ class KDTrainer(Trainer):
     # -- logging and evaluation ----------------------------------------------------------------
 
     def log(self, logs: dict, *args, **kwargs) -> None:
-        if "loss" in logs and self._sums[2] > 0:
+        if "loss" in logs:
             sums = self._sums.clone()
+            self._sums.zero_()
+            # every rank logs the loss, so every rank joins: a rank that learned no token
+            # since the last log must not skip the collective (the others would wait on it)
             if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
                 sums = sums.to(self.args.device)
                 dist.all_reduce(sums)
                 sums = sums.cpu()
             kd, ce, tokens = sums.tolist()
-            logs["kd"] = round(kd / tokens, 6)
-            if self.args.ce_weight:
-                logs["ce"] = round(ce / tokens, 6)
-            self._sums.zero_()
+            if tokens > 0:
+                logs["kd"] = kd / tokens
+                if self.args.ce_weight:
+                    logs["ce"] = ce / tokens
         super().log(logs, *args, **kwargs)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
