@@ -1,10 +1,14 @@
-"""``python -m topkd.bench [fused | store | compile] [options]`` (or ``topkd-bench``): one
-section.
+"""``python -m topkd.bench [fused | store | compile | trainer | megatron] [options]`` (or
+``topkd-bench``): one section.
 
 No section: the core losses against the plain float32 code (:mod:`topkd.bench.core`);
 ``fused`` (or ``--fused``): the fused LM-head losses (:mod:`topkd.bench.fused`); ``store``: the
 offline teacher store (:mod:`topkd.bench.store`); ``compile``: the compiled kernels' first-call
-cost, cold and from inductor's on-disk cache (:mod:`topkd.bench.compiling`). ``--child SPEC``
+cost, cold and from inductor's on-disk cache (:mod:`topkd.bench.compiling`); ``trainer``:
+whole training runs of ``KDTrainer`` against TRL's ``GKDTrainer`` (:mod:`topkd.bench.trainer`);
+``megatron``: topkd's Model-Optimizer Megatron criteria against Model-Optimizer's own at TP
+gloo ranks (:mod:`topkd.bench.megatron`).
+``--child SPEC``
 is the harness's own child process (:func:`topkd.bench.harness.run_child`).
 """
 
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from . import compiling, core, fused, harness, store
+from . import compiling, core, fused, harness, megatron, store, trainer
 
 
 def main(argv=None) -> int:
@@ -25,6 +29,10 @@ def main(argv=None) -> int:
         return store.main(rest[1:])
     if rest[:1] == ["compile"]:
         return compiling.main(rest[1:])
+    if rest[:1] == ["trainer"]:
+        return trainer.main(rest[1:])
+    if rest[:1] == ["megatron"]:
+        return megatron.main(rest[1:])
     return core.main(rest)
 
 

@@ -5,7 +5,8 @@ shard of the vocabulary, sequence first, as a ``(logits, bias)`` tuple. The func
 that output as it is, find the tensor-parallel group in ``parallel_state`` and the real
 vocabulary in the model config, check the shapes against the config, and return the per-token
 loss ``[b, s]`` (float32, the same on every rank: no further tensor-parallel reduction), the
-layout Megatron's ``loss_mask`` has.
+layout Megatron's ``loss_mask`` has. :func:`sparse_kl_loss` takes a :class:`~topkd.SparseTeacher`
+(an offline store's rows) in Megatron's batch layout ``[b, s, K]`` instead of teacher logits.
 
 Where the config knows it (Megatron-Bridge's model providers, which subclass
 ``TransformerConfig``): ``vocab_size`` is the real vocabulary, and with ``should_pad_vocab`` the
@@ -29,6 +30,7 @@ except ImportError as e:
                       '"topkd[megatron]"') from e
 
 from .. import _checks, losses, parallel
+from ..teacher import SparseTeacher
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def output_logits(name: str, output) -> torch.Tensor:
     return output
 
 
-def _check_sequence(model_config, name: str, shape) -> None:
+def check_sequence(model_config, name: str, shape) -> None:
     """A ``[b, s, ...]`` tensor is refused where the config tells the sequence length."""
     seq = getattr(model_config, "seq_length", None)
     if seq is None or getattr(model_config, "variable_seq_lengths", False):
@@ -135,7 +137,7 @@ def _check_sequence(model_config, name: str, shape) -> None:
             f"layer gives [s, b, V/TP] (sequence first), which this loss expects")
 
 
-def _check_widths(layout: VocabLayout, shards: dict, tp: int) -> None:
+def check_widths(layout: VocabLayout, shards: dict, tp: int) -> None:
     """The logits' widths, summed over the group, against the real ``vocab_size`` and (the
     student's, whose config this is) against the padded vocabulary. Every rank checks the same
     gathered numbers."""
@@ -165,13 +167,13 @@ def prepare(model_config, student_logits, teacher_logits,
     if student.shape[:2] != teacher.shape[:2]:
         raise ValueError(f"student and teacher logits must share [s, b], got shapes "
                          f"{tuple(student.shape)} and {tuple(teacher.shape)}")
-    _check_sequence(model_config, "student logits", student.shape)
+    check_sequence(model_config, "student logits", student.shape)
     layout = vocab_layout(model_config, vocab_size)
     group = tensor_parallel_group(model_config)
     shards = parallel.exchange_shards(group, {"student logits": student.shape[-1],
                                               "teacher logits": teacher.shape[-1]},
                                       student.shape[:2].numel(), student.device)
-    _check_widths(layout, shards, tensor_parallel_size(model_config))
+    check_widths(layout, shards, tensor_parallel_size(model_config))
     return student, teacher, group, layout.vocab_size
 
 
@@ -246,4 +248,70 @@ def kl_loss(
     loss = losses.kl_loss(student, teacher, temperature=temperature, divergence=divergence,
                           reverse=reverse, vocab_size=vocab, process_group=group,
                           chunk_bytes=chunk_bytes, impl=impl)
+    return loss.transpose(0, 1).contiguous()
+
+
+def sequence_first(teacher, seq_batch: tuple[int, int]) -> SparseTeacher:
+    """A :class:`SparseTeacher` of Megatron's batch layout ``[b, s, K]`` (as a data loader
+    collates it, like ``tokens``) as the ``[s, b, K]`` view the sequence-first losses take.
+    ``seq_batch``: the ``(s, b)`` of the student's tensors."""
+    if not isinstance(teacher, SparseTeacher):
+        raise TypeError(f"teacher must be a topkd.SparseTeacher, got {type(teacher).__name__}")
+    s, b = seq_batch
+    if teacher.indices.dim() != 3 or tuple(teacher.indices.shape[:2]) != (b, s):
+        hint = (" (it is [s, b, K]: give the batch layout [b, s, K], as tokens are)"
+                if tuple(teacher.indices.shape[:2]) == (s, b) and s != b else "")
+        raise ValueError(f"the SparseTeacher must be [b, s, K] = [{b}, {s}, K] for student "
+                         f"tensors of [s, b] = [{s}, {b}], got {tuple(teacher.indices.shape)}"
+                         + hint)
+    mask = None if teacher.mask is None else teacher.mask.transpose(0, 1)
+    return SparseTeacher(teacher.indices.transpose(0, 1), teacher.logprobs.transpose(0, 1),
+                         teacher.rest_logprob.transpose(0, 1), teacher.temperature,
+                         teacher.vocab_size, mask)
+
+
+def sparse_kl_loss(
+    student_logits,
+    teacher: SparseTeacher,
+    *,
+    model_config,
+    temperature: float | None = None,
+    divergence="kl",
+    reverse: bool = False,
+    normalize: str = "full",
+    vocab_size: int | None = None,
+    chunk_bytes: int | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """:func:`topkd.sparse_kl_loss` in Megatron's layout: offline distillation from a topkd
+    store (or any :class:`SparseTeacher`), at any vocabulary size.
+
+    Args:
+        student_logits: ``[s, b, V/TP]`` or ``ColumnParallelLinear``'s ``(logits, bias)``.
+        teacher: ``[b, s, K]``, Megatron's batch layout (:func:`~topkd.integrations.
+            megatron_data.teacher_from_batch` of a batch, or ``TeacherStore.collate`` of its
+            sample ids). Its ``vocab_size`` is the real vocabulary: the padding columns past
+            it are outside both distributions.
+        model_config: as in :func:`topk_kl_loss`.
+        vocab_size: default the config's, else the teacher's; must equal the teacher's.
+        temperature: ``None`` or the teacher's own (a store made at another is refused).
+        divergence, reverse, normalize, chunk_bytes, impl: as in :func:`topkd.sparse_kl_loss`.
+
+    Returns:
+        float32 ``[b, s]``, identical on every tensor-parallel rank; the student gradient on
+        each rank is its shard of the single-process gradient. No ``T**2`` factor.
+    """
+    student = output_logits("student logits", student_logits)
+    teacher = sequence_first(teacher, student.shape[:2])
+    check_sequence(model_config, "student logits", student.shape)
+    layout = vocab_layout(model_config, vocab_size)
+    group = tensor_parallel_group(model_config)
+    shards = parallel.exchange_shards(group, {"student logits": student.shape[-1]},
+                                      student.shape[:2].numel(), student.device)
+    check_widths(layout, shards, tensor_parallel_size(model_config))
+    vocab = teacher.vocab_size if layout.vocab_size is None else layout.vocab_size
+    loss = losses.sparse_kl_loss(student, teacher, temperature=temperature,
+                                 divergence=divergence, reverse=reverse, normalize=normalize,
+                                 vocab_size=vocab, process_group=group, chunk_bytes=chunk_bytes,
+                                 impl=impl)
     return loss.transpose(0, 1).contiguous()

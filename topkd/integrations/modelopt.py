@@ -4,7 +4,10 @@ For its Megatron plugin (``modelopt.torch.distill.plugins.megatron``), drop-in r
 its classes of the same names, in ``DistillationConfig(criterion={...})``:
 
 - ``TopKLogitsKLLoss(model_config, k=..., **options)``;
-- ``LogitsKLLoss(model_config, **options)``.
+- ``LogitsKLLoss(model_config, **options)``;
+- ``FusedTopKLogitsKLLoss`` / ``FusedLogitsKLLoss``, the same on the student's output-layer
+  inputs instead of its logits, with ``fuse_output_layers(model, distill_cfg)`` (the student's
+  ``[s, b, V/TP]`` logits are never made; see docs/megatron.md).
 
 They take ``[s, b, V/TP]`` logits or ``ColumnParallelLinear``'s ``(logits, bias)`` tuple and
 return what ``BaseLoss.post_forward`` returns: ``(loss [b, s], tp_reduce=False,
@@ -36,7 +39,8 @@ from torch.nn.modules.loss import _Loss
 
 from .. import _checks, losses
 
-_MEGATRON_CLASSES = ("LogitsKLLoss", "TopKLogitsKLLoss")
+_MEGATRON_CLASSES = ("LogitsKLLoss", "TopKLogitsKLLoss", "FusedLogitsKLLoss",
+                     "FusedTopKLogitsKLLoss", "fuse_output_layers")
 
 # the Megatron classes come through __getattr__
 __all__ = ["LogitsKLCriterion", "TopKLogitsKLCriterion", *_MEGATRON_CLASSES]
