@@ -18,7 +18,7 @@ def test_options():
     args = trainer.build_parser().parse_args([])
     assert (args.vocab, args.seq, args.batch, args.hidden, args.layers) == (151_936, 1024, 1,
                                                                             256, 2)
-    assert args.impl == ["fused", "unfused", "trl"] and args.kernels == ["compile"]
+    assert args.impl == ["fused", "unfused", "trl", "fused-fp32"] and args.kernels == ["compile"]
     assert args.runs == 1 and args.save is None
     args = trainer.build_parser().parse_args([*TINY, "--impl", "fused", "--kernels", "eager",
                                               "--runs", "2", "--save", "out.json"])

@@ -64,9 +64,10 @@ import time
 from . import harness, reference
 from .harness import MiB
 
-IMPLS = ("fused", "unfused", "trl")
+IMPLS = ("fused", "unfused", "trl", "fused-fp32")
 IMPL_LABELS = {"fused": "KDTrainer (fused)", "unfused": "KDTrainer(fused=False)",
-               "trl": "TRL GKDTrainer (lmbda=0)"}
+               "trl": "TRL GKDTrainer (lmbda=0)",
+               "fused-fp32": "KDTrainer (fused, float32: no autocast)"}
 FWD_BWD = "topkd.bench.trainer: training_step"
 PROFILED_STEP = 2  # step 1 is the warm-up
 
@@ -246,14 +247,14 @@ def _probe(trainer, args, result):
     return Probe()
 
 
-def _common_args(args, output_dir):
+def _common_args(args, output_dir, bf16=True):
     return dict(
         output_dir=output_dir, per_device_train_batch_size=args.batch, max_steps=args.steps,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         gradient_accumulation_steps=1,
         # transformers 5's name; it wins over TRL's gradient_checkpointing=True default
         activation_checkpointing=args.gradient_checkpointing,
-        bf16=True, use_cpu=True, seed=args.seed, report_to="none", save_strategy="no",
+        bf16=bf16, use_cpu=True, seed=args.seed, report_to="none", save_strategy="no",
         logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
         remove_unused_columns=False)
 
@@ -270,8 +271,8 @@ def _trainer(impl, args, student, teacher, tokenizer, train, collator, output_di
     else:
         from topkd.hf import KDConfig, KDTrainer
 
-        config = KDConfig(**_common_args(args, output_dir), divergence="jsd", beta=args.beta,
-                          k=None, fused=impl == "fused")
+        config = KDConfig(**_common_args(args, output_dir, bf16=impl != "fused-fp32"),
+                          divergence="jsd", beta=args.beta, k=None, fused=impl != "unfused")
         trainer = _instrumented(KDTrainer)(
             model=student, teacher=teacher, args=config, train_dataset=train,
             data_collator=collator, processing_class=tokenizer)
@@ -574,7 +575,8 @@ def build_parser():
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="gradient checkpointing in every case (default off in every case)")
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS),
-                   help="trainers (default: fused unfused trl)")
+                   help="trainers (default: all; fused-fp32 is the fused KDTrainer without "
+                   "autocast, to show what bf16 autocast saves)")
     p.add_argument("--kernels", nargs="+", choices=harness.KERNELS, default=["compile"],
                    help="$TOPKD_IMPL of the KDTrainer cases, one case each (default: compile)")
     p.add_argument("--runs", type=int, default=1, help="processes per case (1)")
