@@ -272,9 +272,16 @@ class SparsePath:
                                                       materialize_grads=True)
         return kd.detach(), grad_sel, grad_rest
 
+    # Row statistics that backward remakes per chunk, so :class:`RowLoss` does not save them:
+    # the kept values are the chunk's own at this shard's kept columns (the combined ones come
+    # from the one rank holding each column; elsewhere the gradient goes to the spare column).
+    remade = ("selected",)
+
     def refresh(self, start, stop, rows):
         low, a, label_columns, _ = self._read(start, stop, False)
-        return (low, a, rows["columns"].long(), self.labels.columns(start, stop), None)
+        columns = rows["columns"].long()
+        rows["selected"] = a.gather(1, columns)  # as forward read them: the same values
+        return (low, a, columns, self.labels.columns(start, stop), None)
 
     def _upstream(self, rows, g_kd, g_ce):
         """``(grad_sel, grad_norm, grad_rest)``: the rows' upstream gradients of the kept
@@ -307,6 +314,8 @@ class CompiledSparsePath(SparsePath):
     def buffers(cfg: Config, labels, backward: bool = False) -> int:
         # the gradient chunk; the float32 kept-column bias (compiled.kept_bias) is not counted
         return 1
+
+    remade = ()  # the kernels take the saved kept values
 
     def _local(self, start, stop, columns):
         cfg, labels = self.cfg, self.labels
@@ -342,6 +351,8 @@ def _renormalize(logp: torch.Tensor) -> torch.Tensor:
 
 class DensePath:
     """The student against the teacher's whole distribution (logits or an LM head)."""
+
+    remade = ()
 
     def __init__(self, cfg: Config, student, teacher, labels):
         self.cfg, self.student, self.teacher = cfg, student, teacher
@@ -508,6 +519,7 @@ def sweep_forward(path, count: int, per: int, sink=None, weights=None):
             grad = path.gradient(state, rows, w_kd, w_ce, sink.chunk_dtype)
             sink.add(start, stop, grad, path.cfg.valid)
             rows = {key: rows[key] for key in ("kd", "ce") if key in rows}
+            del grad
         del state  # free this chunk's buffers before the next is made
         parts.append(rows)
     if sink is not None:
@@ -525,7 +537,7 @@ def sweep_backward(path, count: int, per: int, rows: dict, g_kd, g_ce, sink) -> 
         state = path.refresh(start, stop, part)
         grad = path.gradient(state, part, g_kd[start:stop], g_ce[start:stop], sink.chunk_dtype)
         sink.add(start, stop, grad, path.cfg.valid)
-        del state
+        del state, grad  # free this chunk's buffers before the next is made
     sink.finish(path.cfg.valid)
 
 
@@ -602,6 +614,8 @@ class RowLoss(torch.autograd.Function):
         ce = rows.pop("ce", None)
         kd = torch.zeros(call.count, device=_device(tensors)) if kd is None else kd
         ce = torch.zeros_like(kd) if ce is None else ce
+        for key in path.remade:  # backward makes these again, a chunk at a time
+            rows.pop(key, None)
         keep = [name for name in call.names if name not in ("indices", "logprobs", "rest")]
         ctx.call, ctx.keys, ctx.kept = call, tuple(rows), tuple(keep)
         ctx.save_for_backward(*(named[n] for n in keep), *rows.values())
