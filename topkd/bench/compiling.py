@@ -46,10 +46,7 @@ def run_case(args, loss, config) -> dict:
 
         import topkd
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        result["threads"] = torch.get_num_threads()
-        result["torch"] = torch.__version__
+        harness.child_torch(args, result)
         dtype_name, divergence, options = CONFIGS[config]
         dtype = getattr(torch, dtype_name)
         g = torch.Generator().manual_seed(0)

@@ -243,12 +243,7 @@ def run_case(args, impl, loss_kind, divergence, rows, kernels="-") -> dict:
     result = {"mem_limit_gib": args.mem_limit_gib, "status": "error"}
     with harness.stages(result) as stage:
         stage("import torch")
-        import torch
-
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        result["threads"] = torch.get_num_threads()
-        result["torch"] = torch.__version__
+        torch = harness.child_torch(args, result)
         # not on CUDA, whose driver reserves a large address space
         if args.device == "cpu":
             harness.cap_address_space(args.mem_limit_gib)

@@ -310,12 +310,7 @@ def run_case(args, impl, loss_kind, kernels="-") -> dict:
     args.case_kernels = kernels
     with harness.stages(result) as stage:
         stage("import torch")
-        import torch
-
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        result["threads"] = torch.get_num_threads()
-        result["torch"] = torch.__version__
+        harness.child_torch(args, result)
         stage(harness.IMPORT_STAGE)
         if impl in ("liger", "trl"):
             key, value = _version(impl)

@@ -468,3 +468,15 @@ def load_line(meta: dict) -> str | None:
         return None
     return (f"{meta['cpus']} CPUs; load average (1 min) {meta['loadavg_start'][0]:.2f} at the "
             f"start, {meta['loadavg_end'][0]:.2f} at the end; total {meta['total_s']:.0f} s.")
+
+
+def child_torch(args, result: dict):
+    """A child's torch: ``--threads`` applied, the thread count and torch version recorded in
+    ``result``."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result["threads"] = torch.get_num_threads()
+    result["torch"] = torch.__version__
+    return torch

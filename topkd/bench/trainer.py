@@ -309,12 +309,7 @@ def run_case(args, impl, kernels="-", run=1) -> dict:
         import tempfile
         import warnings
 
-        import torch
-
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        result["threads"] = torch.get_num_threads()
-        result["torch"] = torch.__version__
+        harness.child_torch(args, result)
         result["topkd_impl"] = os.environ.get("TOPKD_IMPL")
         stage(harness.IMPORT_STAGE)
         from importlib.metadata import version
