@@ -1,17 +1,18 @@
 """``topkd demo``: what topkd is for, in a few minutes on a CPU, with nothing downloaded.
 
-1. A synthetic language (:class:`Language`): a random stochastic grammar over a vocabulary of
-   1,024 token ids, with topics, word groups and number agreement, so that the next token is
-   learnable but uncertain and a teacher's distribution is sharp but not one-hot.
+1. A synthetic language (:class:`Language`): a random stochastic grammar over 1,024 token ids
+   in which the next token is uncertain but confined to a few candidates that the context
+   decides, so a trained teacher's distribution is spread over several tokens yet its top 16
+   hold nearly all of it.
 2. A small Llama teacher trained on it with cross-entropy.
 3. A smaller Llama student, from the same initial weights, trained three ways by
-   :class:`~topkd.hf.KDTrainer` with the same steps, learning rate and data order:
-   cross-entropy only; online top-K KD from the teacher; KD from a
-   :class:`~topkd.store.TeacherStore` of the teacher's top-K rows built on the spot.
+   :class:`~topkd.hf.KDTrainer` with the same steps, batches and learning rate: cross-entropy
+   only; online top-K KD from the teacher; top-K KD from a :class:`~topkd.store.TeacherStore`
+   of the teacher's rows built on the spot.
 4. A table of held-out KL(teacher || student) and cross-entropy, before and after.
 
-:func:`run_demo` returns the numbers (:class:`DemoResult`); :func:`run` is the command line's
-body (``topkd demo``), with options from :func:`add_arguments`.
+:func:`run_demo` does it and returns the numbers (:class:`DemoResult`); :func:`run` is the
+command line's body (``topkd demo``), with the options :func:`add_arguments` declares.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import bisect
 import contextlib
 import copy
 import itertools
+import json
+import math
 import os
 import random
 import shutil
@@ -31,155 +34,153 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The compiled kernels cost seconds of compilation per loss configuration on a CPU; the demo's
-# rows are small, so the eager kernels finish sooner end to end. ``TOPKD_IMPL`` set by the user
-# still wins.
-os.environ.setdefault("TOPKD_IMPL", "eager")
+from ..compiled import ENV as IMPL_ENV
 
 VOCAB_SIZE = 1024
 SEQ_LEN = 64
 TRAIN_SEQUENCES = 4096
 HELD_OUT_SEQUENCES = 256
-BATCH_SIZE = 32
 TEACHER = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3,
                num_attention_heads=4)
-STUDENT = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=1,
-               num_attention_heads=2)
+TEACHER_BATCH = 32
 TEACHER_LR = 3e-3
+# The student is small enough that it cannot quite match the teacher, and trains on batches of
+# few sequences: where a sampled token is all cross-entropy learns from, a teacher's row says
+# how likely every candidate is.
+STUDENT = dict(hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2)
+STUDENT_BATCH = 8
 STUDENT_LR = 3e-3
 K = 16
-DEFAULT_STEPS = 200
+STEPS = 400  # each student's
+EVAL_BATCH = 64
 
 
 # -- the language -----------------------------------------------------------------------------
 
 
-class _Choice:
-    """Draws an index with probability proportional to ``weights``."""
+class _Words:
+    """``size`` words drawn from ``pool``, Zipf-weighted (1, 1/2, 1/3, ...): one context's
+    choices."""
 
-    def __init__(self, weights):
-        self.cumulative = list(itertools.accumulate(weights))
+    def __init__(self, pool, size: int, rng: random.Random):
+        self.words = rng.sample(list(pool), min(size, len(pool)))
+        self.cumulative = list(itertools.accumulate(1.0 / (rank + 1)
+                                                    for rank in range(len(self.words))))
 
     def __call__(self, rng: random.Random) -> int:
         i = bisect.bisect_right(self.cumulative, rng.random() * self.cumulative[-1])
-        return min(i, len(self.cumulative) - 1)
-
-
-def _zipf(n: int, exponent: float, rng: random.Random) -> list[float]:
-    """Zipf weights ``1 / rank**exponent`` over ``n`` items, in a random order."""
-    weights = [1.0 / (rank + 1) ** exponent for rank in range(n)]
-    rng.shuffle(weights)
-    return weights
+        return self.words[min(i, len(self.words) - 1)]
 
 
 class Language:
-    """A random stochastic grammar over token ids ``0 .. vocab_size - 1``.
+    """A random stochastic grammar over token ids ``0 .. vocab_size - 1`` (0 is padding, 1
+    begins a sequence, 2 ends a sentence).
 
-    A sequence is ``<bos> <topic> sentence sentence ...``; a sentence is
-    ``noun-phrase verb [noun-phrase] [adverb] .``; a noun phrase is
-    ``determiner adjective* noun [preposition noun-phrase]``. Nouns and verbs come in singular
-    and plural forms and the verb agrees with its subject, determiners with their noun. Word
-    frequencies are Zipfian with a different ranking per topic, and every noun, adjective and
-    verb belongs to one of ``groups`` word groups: an adjective favors nouns of its group, a
-    subject favors verbs of its group, a verb favors objects of its group. Everything is drawn
-    from ``random.Random(seed)``.
+    A sequence is ``<bos> sentence sentence ...``; a sentence is
+    ``noun-phrase verb [noun-phrase] [adverb] .`` (the object only after a transitive verb); a
+    noun phrase is ``determiner [adjective] noun [preposition noun-phrase]``. Nouns and verbs
+    have singular and plural forms: a verb agrees with its subject, a determiner with its noun.
+
+    Nouns, adjectives and verbs each belong to one of ``groups`` word groups, and every choice
+    is among ``choices`` words of a set that the context decides: a noun's set depends on the
+    group of its adjective, of the verb whose object it is, or of the noun its prepositional
+    phrase follows; a verb's on its subject's group. A model must learn these sets from the
+    context; a teacher that has learned them spreads each row over one set's words.
+    Deterministic in ``seed``.
     """
 
     PAD, BOS, STOP = 0, 1, 2
 
-    def __init__(self, vocab_size: int = VOCAB_SIZE, seed: int = 0, *, topics: int = 8,
-                 groups: int = 8, affinity: float = 6.0):
+    def __init__(self, vocab_size: int = VOCAB_SIZE, seed: int = 0, *, groups: int = 4,
+                 choices: int = 6):
         rng = random.Random(seed)
-        first = 3 + topics
-        rest = vocab_size - first
-        if rest < 100:
-            raise ValueError(f"vocab_size must be at least {first + 100}, got {vocab_size}")
-        nouns, verbs = int(rest * 0.2), int(rest * 0.12)  # each in two forms
-        adjectives, adverbs, prepositions = int(rest * 0.2), int(rest * 0.07), int(rest * 0.04)
-        determiners = rest - 2 * nouns - 2 * verbs - adjectives - adverbs - prepositions
-        ids = iter(range(first, vocab_size))
+        rest = vocab_size - 3
+        if rest < 32 * groups:
+            raise ValueError(f"vocab_size must be at least {3 + 32 * groups} for {groups} "
+                             f"groups, got {vocab_size}")
+        determiners = prepositions = 12  # closed classes
+        adverbs, verbs = rest // 16, rest // 8
+        nouns = (rest - determiners - prepositions - adverbs - 2 * verbs - rest // 5) // 2
+        adjectives = rest - determiners - prepositions - adverbs - 2 * verbs - 2 * nouns
+        ids = iter(range(3, vocab_size))
 
         def take(n: int) -> list[int]:
             return list(itertools.islice(ids, n))
 
         self.vocab_size, self.groups = vocab_size, groups
-        self.topics = list(range(3, first))
-        self.noun = (take(nouns), take(nouns))  # (singular, plural)
+        self.noun = (take(nouns), take(nouns))  # (singular, plural) forms of noun i
         self.verb = (take(verbs), take(verbs))
-        self.adjective, self.adverb = take(adjectives), take(adverbs)
-        self.preposition, self.determiner = take(prepositions), take(determiners)
-        self.noun_group = [rng.randrange(groups) for _ in range(nouns)]
-        self.adjective_group = [rng.randrange(groups) for _ in range(adjectives)]
-        self.verb_group = [rng.randrange(groups) for _ in range(verbs)]
+        adjective, adverb = take(adjectives), take(adverbs)
+        preposition, determiner = take(prepositions), take(determiners)
+        # groups of equal size, randomly assigned
+        self.noun_group = [i % groups for i in rng.sample(range(nouns), nouns)]
+        self.verb_group = [i % groups for i in rng.sample(range(verbs), verbs)]
+        self.adjective_group = {a: i % groups for i, a in
+                                enumerate(rng.sample(adjective, adjectives))}
         self.transitive = [rng.random() < 0.6 for _ in range(verbs)]
-        number = [rng.choice((0, 1, None)) for _ in range(determiners)]  # None: either
-        weights = _zipf(determiners, 0.8, rng)
-        self.pick_determiner = [_Choice([w if number[i] in (plural, None) else 0.0
-                                         for i, w in enumerate(weights)]) for plural in (0, 1)]
+        # determiners 0-3 go with singular nouns, 8-11 with plural ones, 4-7 with both
+        self.pick_determiner = (_Words(determiner[:8], 8, rng), _Words(determiner[4:], 8, rng))
+        self.pick_preposition = _Words(preposition, choices, rng)
+        self.pick_adjective = _Words(adjective, choices, rng)
+        self.pick_adverb = _Words(adverb, choices, rng)
 
-        def favor(weights, group_of, group):
-            return [w * (affinity if group_of[i] == group else 1.0) for i, w in
-                    enumerate(weights)]
+        def members(group_of, group: int) -> list[int]:
+            return [i for i, g in enumerate(group_of) if g == group]
 
-        self.pick_adjective, self.pick_noun, self.pick_verb = [], [], []
-        for _ in self.topics:
-            noun_weights, verb_weights = _zipf(nouns, 1.1, rng), _zipf(verbs, 1.1, rng)
-            self.pick_adjective.append(_Choice(_zipf(adjectives, 1.1, rng)))
-            # pick_noun[topic][group], and [topic][groups] for no group
-            self.pick_noun.append([_Choice(favor(noun_weights, self.noun_group, g))
-                                   for g in range(groups)] + [_Choice(noun_weights)])
-            self.pick_verb.append([_Choice(favor(verb_weights, self.verb_group, g))
-                                   for g in range(groups)])
-        self.pick_adverb = _Choice(_zipf(adverbs, 1.2, rng))
-        self.pick_preposition = _Choice(_zipf(prepositions, 1.0, rng))
+        # pick_noun[g]: a noun of a phrase in group g; pick_noun[groups]: one with no group yet
+        self.pick_noun = [_Words(members(self.noun_group, g), choices, rng)
+                          for g in range(groups)] + [_Words(range(nouns), choices, rng)]
+        self.pick_verb = [_Words(members(self.verb_group, g), choices, rng)
+                          for g in range(groups)]
 
-    def _noun_phrase(self, rng, topic: int, plural: int, group: int | None, nested: bool):
-        words = [self.determiner[self.pick_determiner[plural](rng)]]
-        while len(words) < 3 and rng.random() < 0.35:
-            a = self.pick_adjective[topic](rng)
-            words.append(self.adjective[a])
-            group = self.adjective_group[a] if group is None else group
-        noun = self.pick_noun[topic][self.groups if group is None else group](rng)
+    def _noun_phrase(self, rng: random.Random, plural: int, group: int | None,
+                     nested: bool = False) -> tuple[list[int], int]:
+        """The phrase's tokens and its noun (an index into ``self.noun[plural]``)."""
+        words = [self.pick_determiner[plural](rng)]
+        if rng.random() < 0.3:
+            adjective = self.pick_adjective(rng)
+            words.append(adjective)
+            group = self.adjective_group[adjective] if group is None else group
+        noun = self.pick_noun[self.groups if group is None else group](rng)
         words.append(self.noun[plural][noun])
-        if not nested and rng.random() < 0.25:
-            words.append(self.preposition[self.pick_preposition(rng)])
-            words += self._noun_phrase(rng, topic, int(rng.random() < 0.4),
-                                       self.noun_group[noun], True)[0]
+        if not nested and rng.random() < 0.2:
+            words.append(self.pick_preposition(rng))
+            words += self._noun_phrase(rng, int(rng.random() < 0.4), self.noun_group[noun],
+                                       nested=True)[0]
         return words, noun
 
-    def _sentence(self, rng, topic: int) -> list[int]:
+    def _sentence(self, rng: random.Random) -> list[int]:
         plural = int(rng.random() < 0.4)
-        words, subject = self._noun_phrase(rng, topic, plural, None, False)
-        verb = self.pick_verb[topic][self.noun_group[subject]](rng)
+        words, subject = self._noun_phrase(rng, plural, None)
+        verb = self.pick_verb[self.noun_group[subject]](rng)
         words.append(self.verb[plural][verb])
         if self.transitive[verb]:
-            words += self._noun_phrase(rng, topic, int(rng.random() < 0.4),
-                                       self.verb_group[verb], False)[0]
-        if rng.random() < 0.3:
-            words.append(self.adverb[self.pick_adverb(rng)])
+            words += self._noun_phrase(rng, int(rng.random() < 0.4), self.verb_group[verb])[0]
+        if rng.random() < 0.2:
+            words.append(self.pick_adverb(rng))
         words.append(self.STOP)
         return words
 
     def sample(self, n: int, length: int = SEQ_LEN, seed: int = 0) -> torch.Tensor:
-        """``n`` sequences of ``length`` tokens, int64 ``[n, length]``, from
-        ``random.Random(seed)``."""
+        """``n`` sequences of ``length`` tokens (int64 ``[n, length]``), each ``<bos>`` then
+        sentences, cut at ``length``; deterministic in ``seed``."""
         rng = random.Random(seed)
         out = []
         for _ in range(n):
-            topic = rng.randrange(len(self.topics))
-            tokens = [self.BOS, self.topics[topic]]
+            tokens = [self.BOS]
             while len(tokens) < length:
-                tokens += self._sentence(rng, topic)
+                tokens += self._sentence(rng)
             out.append(tokens[:length])
         return torch.tensor(out, dtype=torch.int64)
 
 
-# -- results ------------------------------------------------------------------------------------
+# -- the results ------------------------------------------------------------------------------
 
 
 @dataclass
 class RunResult:
-    """One student's held-out numbers, per token, in nats."""
+    """One student run: held-out KL(teacher || student) and the student's cross-entropy,
+    nats per token, before and after training; the run's seconds."""
 
     kl_before: float
     kl_after: float
@@ -190,20 +191,22 @@ class RunResult:
 
 @dataclass
 class DemoResult:
-    """What :func:`run_demo` measured: ``runs`` by name (``"ce"``, ``"online"``,
-    ``"store"``), the teacher's held-out cross-entropy, the store's size, the total time."""
+    """What :func:`run_demo` measured. ``runs`` by name: ``"ce"`` (cross-entropy only),
+    ``"online"`` (top-K KD from the teacher) and ``"store"`` (top-K KD from the store)."""
 
     steps: int
     teacher_steps: int
     teacher_ce: float
     runs: dict[str, RunResult] = field(default_factory=dict)
-    store_bytes: int = 0
     store_tokens: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
     seconds: float = 0.0
 
 
-# name: (label in the table, KDConfig fields, offline). The cross-entropy run reads the store
-# too: its KD term has weight 0, and it then needs no teacher forward pass.
+# name: (label, KDConfig fields, reads the store). The cross-entropy run reads the store too:
+# with kd_weight=0 its KD term is no part of the gradient, and reading rows is cheaper than
+# running the teacher.
 RUNS = {
     "ce": ("cross-entropy only", dict(kd_weight=0.0, ce_weight=1.0), True),
     "online": (f"online top-{K} KD", dict(kd_weight=1.0, ce_weight=0.0), False),
@@ -214,129 +217,171 @@ RUNS = {
 # -- the demo ---------------------------------------------------------------------------------
 
 
-def run_demo(*, steps: int = DEFAULT_STEPS, teacher_steps: int | None = None, seed: int = 0,
+def run_demo(*, steps: int = STEPS, teacher_steps: int | None = None, seed: int = 0,
              out: str | None = None, progress: bool = True, file=None) -> DemoResult:
-    """Generate the corpus, train the teacher (``teacher_steps``, default ``2 * steps``),
-    distill the student three ways (``steps`` each), print the table to ``file`` (default
-    stdout) and return the numbers. The store is written under ``out`` (default: a temporary
-    directory, removed at the end). Progress bars go to stderr when ``progress``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Generate the corpus, train the teacher for ``teacher_steps`` (default
+    ``3 * steps // 2``), distill the student three ways for ``steps`` each, print the table to
+    ``file`` (default stdout) and return the numbers.
+
+    The students train on the first ``steps * STUDENT_BATCH`` training sequences (at most
+    ``TRAIN_SEQUENCES``), and the store holds the teacher's rows of those. With ``out``, the
+    trained teacher, the untrained student, the store and the data are saved there
+    (:func:`_save`; an ``out/store`` already there is replaced); without it nothing is kept.
+    Progress bars go to stderr when ``progress``. Runs on the GPU when there is one."""
     from transformers.utils import logging as hf_logging
 
     file = sys.stdout if file is None else file
-    teacher_steps = 2 * steps if teacher_steps is None else teacher_steps
+    teacher_steps = 3 * steps // 2 if teacher_steps is None else teacher_steps
     start = time.perf_counter()
-    temporary = out is None
-    out = tempfile.mkdtemp(prefix="topkd-demo-") if temporary else out
-    os.makedirs(out, exist_ok=True)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        language = Language(VOCAB_SIZE, seed)
-        data = language.sample(TRAIN_SEQUENCES + HELD_OUT_SEQUENCES, SEQ_LEN, seed=seed)
-        train = [{"sample_id": i, "input_ids": s} for i, s in enumerate(data[:TRAIN_SEQUENCES])]
-        held_out = [{"input_ids": s} for s in data[TRAIN_SEQUENCES:]]
+    with contextlib.ExitStack() as stack:
+        work = stack.enter_context(tempfile.TemporaryDirectory(prefix="topkd-demo-"))
+        if out is not None:
+            os.makedirs(out, exist_ok=True)
+        stack.enter_context(_eager_kernels())
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the Trainer's notices about its defaults
+        stack.callback(hf_logging.set_verbosity, verbosity)
 
-        def model(sizes, model_seed):
-            torch.manual_seed(model_seed)
-            config = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=SEQ_LEN,
-                                 tie_word_embeddings=False, pad_token_id=Language.PAD,
-                                 bos_token_id=Language.BOS, eos_token_id=Language.STOP,
-                                 **sizes)
-            return LlamaForCausalLM(config)
+        data = Language(VOCAB_SIZE, seed).sample(TRAIN_SEQUENCES + HELD_OUT_SEQUENCES,
+                                                 SEQ_LEN, seed=seed)
+        corpus, held_out = data[:TRAIN_SEQUENCES], data[TRAIN_SEQUENCES:]
+        train = [{"sample_id": i, "input_ids": s} for i, s in
+                 enumerate(corpus[:steps * STUDENT_BATCH])]
+        held_out_items = [{"input_ids": s} for s in held_out]
 
-        teacher = model(TEACHER, seed)
-        _train_teacher(teacher, data[:TRAIN_SEQUENCES], teacher_steps, seed, progress)
-        student = model(STUDENT, seed + 1)
+        teacher = _model(TEACHER, seed)
+        _train_teacher(teacher, corpus, teacher_steps, seed, progress)
         result = DemoResult(steps=steps, teacher_steps=teacher_steps,
-                            teacher_ce=_teacher_ce(teacher, data[TRAIN_SEQUENCES:]))
-        store = os.path.join(out, "store")
+                            teacher_ce=_cross_entropy(teacher, held_out))
+        student = _model(STUDENT, seed + 1)
+        if out is not None:
+            _save(out, teacher, student, corpus, held_out)
+
+        store = os.path.join(out if out is not None else work, "store")
+        store_start = time.perf_counter()
         result.store_bytes = _build_store(teacher, train, store, progress)
-        result.store_tokens = TRAIN_SEQUENCES * SEQ_LEN
-        before = _evaluate(student, teacher, held_out, out)
-        for name, (label, weights, offline) in RUNS.items():
+        result.store_seconds = time.perf_counter() - store_start
+        result.store_tokens = len(train) * SEQ_LEN
+
+        before = _evaluate(student, teacher, held_out_items, work)
+        for name, (label, weights, reads_store) in RUNS.items():
             run_start = time.perf_counter()
             trained = copy.deepcopy(student)
-            _distill(trained, teacher, store if offline else None, train, weights, steps,
-                     seed, os.path.join(out, name), label if progress else None)
-            after = _evaluate(trained, teacher, held_out, out)
+            _distill(trained, teacher if not reads_store else None,
+                     store if reads_store else None, train, weights, steps, seed,
+                     os.path.join(work, name), label if progress else None)
+            after = _evaluate(trained, teacher, held_out_items, work)
             result.runs[name] = RunResult(before["eval_kl"], after["eval_kl"],
                                           before["eval_ce"], after["eval_ce"],
                                           time.perf_counter() - run_start)
         result.seconds = time.perf_counter() - start
-        _print_table(result, file, None if temporary else store)
-        return result
+        _print_table(result, file, out)
+    return result
+
+
+def _save(out: str, teacher, student, corpus: torch.Tensor, held_out: torch.Tensor) -> None:
+    """What the README's examples load: ``teacher/`` (trained), ``student/`` (untrained),
+    ``train.jsonl`` and ``heldout.jsonl`` (``{"id", "input_ids"}`` per line)."""
+    teacher.save_pretrained(os.path.join(out, "teacher"))
+    student.save_pretrained(os.path.join(out, "student"))
+    for name, sequences in (("train.jsonl", corpus), ("heldout.jsonl", held_out)):
+        with open(os.path.join(out, name), "w") as f:
+            for i, tokens in enumerate(sequences.tolist()):
+                f.write(json.dumps({"id": i, "input_ids": tokens}) + "\n")
+
+
+@contextlib.contextmanager
+def _eager_kernels():
+    """topkd's eager kernels for the demo, unless ``$TOPKD_IMPL`` chooses: compiling costs
+    seconds per loss configuration on a CPU, more than the demo's small batches repay."""
+    if os.environ.get(IMPL_ENV):
+        yield
+        return
+    os.environ[IMPL_ENV] = "eager"
+    try:
+        yield
     finally:
-        hf_logging.set_verbosity(verbosity)
-        if temporary:
-            shutil.rmtree(out, ignore_errors=True)
-
-
-def _bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", disable=not enabled, leave=False,
-                dynamic_ncols=True)
+        os.environ.pop(IMPL_ENV, None)
 
 
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _train_teacher(teacher, sequences: torch.Tensor, steps: int, seed: int,
+def _model(sizes: dict, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=SEQ_LEN,
+                         tie_word_embeddings=False, pad_token_id=Language.PAD,
+                         bos_token_id=Language.BOS, eos_token_id=Language.STOP, **sizes)
+    return LlamaForCausalLM(config)
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, dynamic_ncols=True,
+                file=sys.stderr)
+
+
+def _train_teacher(teacher, corpus: torch.Tensor, steps: int, seed: int,
                    progress: bool) -> None:
-    """Plain cross-entropy training: AdamW, warm-up then linear decay, random batches."""
+    """Cross-entropy on random batches of ``corpus``: AdamW, a short warm-up, linear decay."""
     device = _device()
     teacher.to(device).train()
-    optimizer = torch.optim.AdamW(teacher.parameters(), lr=TEACHER_LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(teacher.parameters(), lr=TEACHER_LR, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1.0 - s / steps))
     generator = torch.Generator().manual_seed(seed)
-    with _bar(steps, "teacher (cross-entropy)", progress) as bar:
+    with _bar(steps, "teacher: cross-entropy", progress) as bar:
         for _ in range(steps):
-            batch = sequences[torch.randint(len(sequences), (BATCH_SIZE,),
-                                            generator=generator)].to(device)
+            rows = torch.randint(len(corpus), (TEACHER_BATCH,), generator=generator)
+            batch = corpus[rows].to(device)
             loss = teacher(input_ids=batch, labels=batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(teacher.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             schedule.step()
-            bar.update()
             bar.set_postfix(ce=f"{loss.item():.3f}", refresh=False)
+            bar.update()
     teacher.eval()
 
 
 @torch.no_grad()
-def _teacher_ce(teacher, sequences: torch.Tensor) -> float:
+def _cross_entropy(model, sequences: torch.Tensor) -> float:
+    """The model's cross-entropy on ``sequences``, nats per predicted token."""
     device = _device()
     total = 0.0
-    for batch in sequences.split(BATCH_SIZE):
+    for batch in sequences.split(EVAL_BATCH):
         batch = batch.to(device)
-        total += float(teacher(input_ids=batch, labels=batch).loss) * batch.numel()
-    return total / sequences.numel()
+        total += float(model(input_ids=batch, labels=batch).loss) * batch[:, 1:].numel()
+    return total / sequences[:, 1:].numel()
 
 
 @torch.no_grad()
 def _build_store(teacher, train: list[dict], path: str, progress: bool) -> int:
-    """Write the teacher's top-K rows of every training sequence to a store at ``path``;
-    returns the store's size in bytes."""
-    import topkd
-    from topkd.store import TeacherStoreWriter
+    """Write the teacher's top-K rows of every training sequence into a new store at
+    ``path``; its size in bytes."""
+    from .. import SparseTeacher, select_topk
+    from ..store import TeacherStoreWriter
 
     device = _device()
     shutil.rmtree(path, ignore_errors=True)
     with TeacherStoreWriter(path, k=K, vocab_size=VOCAB_SIZE) as writer, \
-            _bar(len(train), f"store: teacher top-{K}", progress) as bar:
-        for start in range(0, len(train), BATCH_SIZE):
-            items = train[start:start + BATCH_SIZE]
+            _bar(len(train), f"store: the teacher's top-{K}", progress) as bar:
+        for first in range(0, len(train), EVAL_BATCH):
+            items = train[first:first + EVAL_BATCH]
             tokens = torch.stack([item["input_ids"] for item in items])
-            logits = teacher(input_ids=tokens.to(device)).logits.float()
-            rows = topkd.select_topk(logits, K)
+            rows = select_topk(teacher(input_ids=tokens.to(device)).logits, K)
+            rows = SparseTeacher(rows.indices.cpu(), rows.logprobs.cpu(),
+                                 rows.rest_logprob.cpu(), rows.temperature, rows.vocab_size)
             for i, item in enumerate(items):
-                writer.add(item["sample_id"], item["input_ids"], topkd.SparseTeacher(
-                    rows.indices[i].cpu(), rows.logprobs[i].cpu(), rows.rest_logprob[i].cpu(),
+                writer.add(item["sample_id"], item["input_ids"], SparseTeacher(
+                    rows.indices[i], rows.logprobs[i], rows.rest_logprob[i],
                     rows.temperature, rows.vocab_size))
             bar.update(len(items))
     return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
@@ -345,12 +390,12 @@ def _build_store(teacher, train: list[dict], path: str, progress: bool) -> int:
 def _config(output_dir: str, **fields):
     from .trainer import KDConfig
 
-    # chunk_bytes: a batch's rows fit in one chunk (8 MiB of logits); smaller chunks would only
-    # add per-chunk work
-    return KDConfig(output_dir=output_dir, per_device_train_batch_size=BATCH_SIZE,
-                    per_device_eval_batch_size=BATCH_SIZE, chunk_bytes=2**26, report_to="none",
-                    disable_tqdm=True, logging_strategy="no", save_strategy="no",
-                    dataloader_num_workers=0, use_cpu=_device().type == "cpu", **fields)
+    # chunk_bytes: a batch's rows fit in one chunk; smaller chunks only add work per chunk
+    return KDConfig(output_dir=output_dir, per_device_train_batch_size=STUDENT_BATCH,
+                    per_device_eval_batch_size=EVAL_BATCH, chunk_bytes=2**26,
+                    report_to="none", disable_tqdm=True, logging_strategy="no",
+                    save_strategy="no", dataloader_num_workers=0,
+                    use_cpu=_device().type == "cpu", **fields)
 
 
 def _distill(student, teacher, store: str | None, train: list[dict], weights: dict,
@@ -368,16 +413,17 @@ def _distill(student, teacher, store: str | None, train: list[dict], weights: di
         def on_step_end(self, *_, **__):
             bar.update()
 
-    source = dict(store=store) if store is not None else dict(teacher=teacher)
+    source = dict(teacher=teacher) if store is None else dict(store=store)
     trainer = KDTrainer(model=student, args=args, train_dataset=train,
                         callbacks=[Progress()], **source)
-    trainer.remove_callback(PrinterCallback)  # the Trainer's own log lines
+    trainer.remove_callback(PrinterCallback)  # it prints the Trainer's logs
     with bar:
         trainer.train()
 
 
 def _evaluate(student, teacher, held_out: list[dict], out: str) -> dict:
-    """Held-out KL(teacher || student) over the full vocabulary and the student's CE."""
+    """Held-out ``eval_kl`` (KL(teacher || student) over the whole vocabulary) and
+    ``eval_ce``, the same way for every run: online, from the teacher itself."""
     from transformers import PrinterCallback
 
     from .trainer import KDTrainer
@@ -387,68 +433,84 @@ def _evaluate(student, teacher, held_out: list[dict], out: str) -> dict:
     return trainer.evaluate(eval_dataset=held_out)
 
 
-def _print_table(result: DemoResult, file, store: str | None) -> None:
-    teacher, student = _describe(TEACHER), _describe(STUDENT)
+def _print_table(result: DemoResult, file, out: str | None) -> None:
+    uniform = math.log(VOCAB_SIZE)
     lines = [
         "",
-        f"topkd demo: a synthetic language of {VOCAB_SIZE} tokens, {TRAIN_SEQUENCES} training "
-        f"sequences of {SEQ_LEN}",
-        f"teacher: {teacher}, {result.teacher_steps} steps, held-out CE "
-        f"{result.teacher_ce:.3f} (uniform: {torch.tensor(float(VOCAB_SIZE)).log():.3f})",
-        f"student: {student}, {result.steps} steps per run, same initial weights, "
-        f"learning rate and batches",
+        f"topkd demo: distill a {_describe(TEACHER)} teacher into a {_describe(STUDENT)} "
+        f"student",
+        f"  language: {VOCAB_SIZE:,} tokens, {TRAIN_SEQUENCES:,} training sequences of "
+        f"{SEQ_LEN} (Language, seed given)",
+        f"  teacher:  {result.teacher_steps} steps of cross-entropy, held-out CE "
+        f"{result.teacher_ce:.3f} (uniform: {uniform:.3f})",
+        f"  students: {result.steps} steps of {STUDENT_BATCH} sequences each, same initial "
+        f"weights, batches and learning rate",
         "",
-        f"{'held-out, nats/token':<24}{'KL(teacher||student)':>26}{'cross-entropy':>20}",
-        f"{'':<24}{'before':>9}{'after':>9}{'':>8}{'before':>10}{'after':>10}",
+        f"{'held-out, nats per token':<26}{'KL(teacher||student)':^28}"
+        f"{'cross-entropy':^20}{'time':>7}",
+        f"{'':<26}{'before':>9}{'after':>10}{'ratio':>9}{'before':>10}{'after':>10}",
     ]
     for name, run in result.runs.items():
-        change = run.kl_after / run.kl_before if run.kl_before > 0 else float("nan")
-        lines.append(f"{RUNS[name][0]:<24}{run.kl_before:>9.3f}{run.kl_after:>9.3f}"
-                     f"{f'x{change:.2f}':>8}{run.ce_before:>10.3f}{run.ce_after:>10.3f}")
+        ratio = run.kl_after / run.kl_before if run.kl_before > 0 else float("nan")
+        lines.append(f"{RUNS[name][0]:<26}{run.kl_before:>9.3f}{run.kl_after:>10.3f}"
+                     f"{f'x{ratio:.3f}':>9}{run.ce_before:>10.3f}{run.ce_after:>10.3f}"
+                     f"{f'{run.seconds:.0f} s':>7}")
+    ce, online, stored = (result.runs.get(name) for name in ("ce", "online", "store"))
+    if ce and online and stored and min(online.kl_after, stored.kl_after) > 0:
+        lines += ["", f"With the same steps, KD ends {ce.kl_after / online.kl_after:.1f}x "
+                  f"(online) and {ce.kl_after / stored.kl_after:.1f}x (store) closer to the "
+                  f"teacher than cross-entropy alone."]
     dense = result.store_tokens * VOCAB_SIZE * 4
     lines += [
-        "",
-        f"store: {result.store_tokens:,} token rows of top-{K} in "
-        f"{result.store_bytes / 2**20:.1f} MiB (the float32 logits: {dense / 2**20:.0f} MiB)"
-        + (f", kept in {store}" if store else ""),
-        f"time: {result.seconds:.0f} s",
+        f"Store: {result.store_tokens:,} token rows of top-{K} in "
+        f"{result.store_bytes / 2**20:.1f} MiB (as float32 logits: {dense / 2**20:,.0f} MiB), "
+        f"built in {result.store_seconds:.0f} s.",
+        f"Total time: {result.seconds:.0f} s.",
     ]
+    if out is not None:
+        lines.append(f"Saved in {out}: teacher/ (trained), student/ (untrained), store/, "
+                     f"train.jsonl and heldout.jsonl ({{\"id\", \"input_ids\"}} per line).")
     print("\n".join(lines), file=file, flush=True)
 
 
 def _describe(sizes: dict) -> str:
-    return (f"Llama, {sizes['num_hidden_layers']} layer"
-            f"{'s' if sizes['num_hidden_layers'] > 1 else ''}, hidden {sizes['hidden_size']}")
+    layers = sizes["num_hidden_layers"]
+    return f"{layers}-layer Llama (hidden {sizes['hidden_size']})"
 
 
-# -- the command line ---------------------------------------------------------------------------
+# -- the command line -------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``topkd demo``'s options."""
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="N",
-                        help=f"training steps of each student run (default {DEFAULT_STEPS})")
-    parser.add_argument("--teacher-steps", type=int, metavar="N",
-                        help="training steps of the teacher (default: 2 x --steps)")
+    """``topkd demo``'s options: ``--steps``, ``--teacher-steps``, ``--seed``, ``--out``,
+    ``--quiet``."""
+    parser.add_argument("--steps", type=_positive, default=STEPS, metavar="N",
+                        help=f"training steps of each student (default {STEPS})")
+    parser.add_argument("--teacher-steps", type=_positive, metavar="N",
+                        help="training steps of the teacher (default: 1.5 x --steps)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the language, the data and the weights (default 0)")
     parser.add_argument("--out", metavar="DIR",
-                        help="keep the teacher store here (default: a temporary directory, "
-                        "removed at the end)")
+                        help="save the trained teacher, the untrained student, the store and "
+                        "the data (JSON Lines of token ids) in DIR, for the README's examples "
+                        "(default: keep nothing)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
-    """``topkd demo``: :func:`run_demo` with the parsed options; the exit status."""
-    for name in ("steps", "teacher_steps"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            print(f"topkd demo: error: --{name.replace('_', '-')} must be >= 1, got {value}",
-                  file=sys.stderr)
-            return 2
-    with contextlib.ExitStack():
-        run_demo(steps=args.steps, teacher_steps=args.teacher_steps, seed=args.seed,
-                 out=args.out, progress=not args.quiet)
+    """``topkd demo`` with the options of :func:`add_arguments`; the exit status."""
+    run_demo(steps=args.steps, teacher_steps=args.teacher_steps, seed=args.seed,
+             out=args.out, progress=not args.quiet)
     return 0
 
 
