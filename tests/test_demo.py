@@ -1,0 +1,139 @@
+"""``topkd demo``: KD against cross-entropy on the demo's own numbers (a shorter run than the
+default, the same code), the files ``--out`` saves, and the README's commands that load them,
+run as written."""
+
+import io
+import json
+import os
+import re
+import shlex
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from topkd.cli import main  # noqa: E402
+from topkd.hf import demo  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 100  # per student; the teacher trains 150 (the default demo: 400 and 600)
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """The demo with ``--steps 100 --out DIR``: its result, its printed table, DIR."""
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    printed = io.StringIO()
+    result = demo.run_demo(steps=STEPS, out=str(out), progress=False, file=printed)
+    return result, printed.getvalue(), out
+
+
+def test_kd_halves_the_kl_and_beats_cross_entropy(ran):
+    result, _, _ = ran
+    ce, online, stored = result.runs["ce"], result.runs["online"], result.runs["store"]
+    for run in (ce, online, stored):  # one untrained student for all three
+        assert (run.kl_before, run.ce_before) == (ce.kl_before, ce.ce_before)
+    for run in (online, stored):
+        assert run.kl_after <= 0.5 * run.kl_before, (run.kl_before, run.kl_after)
+        assert run.kl_after < ce.kl_after, (run.kl_after, ce.kl_after)
+    # the store keeps the teacher's rows (log-probs rounded to float16): the same training
+    assert stored.kl_after == pytest.approx(online.kl_after, rel=1e-2)
+    # the teacher learned the language: far below uniform, and below every student
+    assert result.teacher_ce < 0.5 * torch.tensor(float(demo.VOCAB_SIZE)).log().item()
+    assert result.teacher_ce < min(run.ce_after for run in result.runs.values())
+    assert result.store_tokens == STEPS * demo.STUDENT_BATCH * demo.SEQ_LEN
+
+
+def test_table_shows_the_numbers(ran):
+    result, printed, out = ran
+    for name, run in result.runs.items():
+        row = next(line for line in printed.splitlines() if line.startswith(demo.RUNS[name][0]))
+        assert f"{run.kl_before:.3f}" in row and f"{run.kl_after:.3f}" in row
+        assert f"{run.ce_before:.3f}" in row and f"{run.ce_after:.3f}" in row
+    assert f"held-out CE {result.teacher_ce:.3f}" in printed
+    assert f"Saved in {out}" in printed
+
+
+def test_saved_files(ran):
+    result, _, out = ran
+    from transformers import AutoModelForCausalLM
+
+    from topkd.store import TeacherStore
+
+    lines = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in lines] == list(range(demo.TRAIN_SEQUENCES))
+    corpus = torch.tensor([row["input_ids"] for row in lines])
+    held_out = torch.tensor([json.loads(line)["input_ids"] for line in
+                             (out / "heldout.jsonl").read_text().splitlines()])
+    assert held_out.shape == (demo.HELD_OUT_SEQUENCES, demo.SEQ_LEN)
+    everything = demo.Language(demo.VOCAB_SIZE, 0).sample(
+        demo.TRAIN_SEQUENCES + demo.HELD_OUT_SEQUENCES, demo.SEQ_LEN, seed=0)
+    assert torch.equal(torch.cat([corpus, held_out]), everything)
+
+    teacher = AutoModelForCausalLM.from_pretrained(out / "teacher")
+    assert demo._cross_entropy(teacher, held_out) == pytest.approx(result.teacher_ce, rel=1e-5)
+    student = AutoModelForCausalLM.from_pretrained(out / "student")
+    untrained = demo._model(demo.STUDENT, 1)
+    for (name, saved), fresh in zip(student.state_dict().items(),
+                                    untrained.state_dict().values()):
+        assert torch.equal(saved, fresh), name
+
+    store = TeacherStore(out / "store")
+    assert len(store) == STEPS * demo.STUDENT_BATCH
+    assert torch.equal(store.tokens(7).long(), corpus[7])
+
+
+def _readme_commands() -> tuple[list[str], list[list[str]]]:
+    """The README's Python blocks and ``topkd`` command lines that use the demo's files."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    python, commands = [], []
+    for language, body in re.findall(r"```(\w+)\n(.*?)```", text, re.S):
+        if "demo/" not in body:
+            continue
+        if language == "python":
+            python.append(body)
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["topkd"] and any("demo/" in w or w == "store" for w in words):
+                commands.append(words[1:])
+    return python, commands
+
+
+def test_readme_examples_run_as_written(ran, tmp_path, monkeypatch, capsys):
+    """Each README example that loads ``demo/`` runs in a directory where ``demo`` is what
+    ``topkd demo --out demo`` saved. (``torchrun``'s line is test_distill.py's torchrun test.)"""
+    _, _, out = ran
+    python, commands = _readme_commands()
+    assert len(python) == 1 and len(commands) >= 5, (python, commands)
+    (tmp_path / "demo").symlink_to(out)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(python[0], "README.md", "exec"), {})
+    assert "eval_kl" in capsys.readouterr().out
+    for words in commands:
+        assert main(words) == 0, words
+    for directory in ("out", "distilled", "distilled-offline", "store"):
+        assert (tmp_path / directory).is_dir(), directory
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "distilled-offline")
+
+
+def test_language():
+    language = demo.Language(demo.VOCAB_SIZE, 3)
+    a = language.sample(5, 40, seed=1)
+    assert a.shape == (5, 40) and a.dtype == torch.int64
+    assert torch.equal(a, demo.Language(demo.VOCAB_SIZE, 3).sample(5, 40, seed=1))
+    assert int(a.min()) >= 1 and int(a.max()) < demo.VOCAB_SIZE
+    assert (a[:, 0] == demo.Language.BOS).all() and (a == demo.Language.STOP).any()
+    assert not torch.equal(a, language.sample(5, 40, seed=2))
+    with pytest.raises(ValueError, match="vocab_size must be at least 131 .* got 100"):
+        demo.Language(100)
+
+
+@pytest.mark.parametrize("option", ["--steps", "--teacher-steps"])
+def test_bad_steps(option, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["demo", option, "0"])
+    assert exit.value.code == 2
+    assert f"{option}: must be >= 1, got 0" in capsys.readouterr().err
