@@ -76,9 +76,10 @@ def test_saved_files(ran):
     assert demo._cross_entropy(teacher, held_out) == pytest.approx(result.teacher_ce, rel=1e-5)
     student = AutoModelForCausalLM.from_pretrained(out / "student")
     untrained = demo._model(demo.STUDENT, 1)
-    for (name, saved), fresh in zip(student.state_dict().items(),
-                                    untrained.state_dict().values()):
-        assert torch.equal(saved, fresh), name
+    fresh = untrained.state_dict()
+    assert student.state_dict().keys() == fresh.keys()
+    for name, saved in student.state_dict().items():
+        assert torch.equal(saved, fresh[name]), name
 
     store = TeacherStore(out / "store")
     assert len(store) == STEPS * demo.STUDENT_BATCH
