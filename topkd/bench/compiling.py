@@ -42,11 +42,10 @@ def run_case(args, loss, config) -> dict:
     result = {"status": "error"}
     with harness.stages(result) as stage:
         stage("import torch")
-        import torch
+        torch = harness.child_torch(args, result)
 
         import topkd
 
-        harness.child_torch(args, result)
         dtype_name, divergence, options = CONFIGS[config]
         dtype = getattr(torch, dtype_name)
         g = torch.Generator().manual_seed(0)

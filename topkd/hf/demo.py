@@ -455,8 +455,8 @@ def _print_table(result: DemoResult, file, out: str | None) -> None:
         lines.append(f"{RUNS[name][0]:<26}{run.kl_before:>9.3f}{run.kl_after:>10.3f}"
                      f"{f'x{ratio:.3f}':>9}{run.ce_before:>10.3f}{run.ce_after:>10.3f}"
                      f"{f'{run.seconds:.0f} s':>7}")
-    ce, online, stored = (result.runs.get(name) for name in ("ce", "online", "store"))
-    if ce and online and stored and min(online.kl_after, stored.kl_after) > 0:
+    ce, online, stored = (result.runs[name] for name in ("ce", "online", "store"))
+    if min(online.kl_after, stored.kl_after) > 0:
         lines += ["", f"With the same steps, KD ends {ce.kl_after / online.kl_after:.1f}x "
                   f"(online) and {ce.kl_after / stored.kl_after:.1f}x (store) closer to the "
                   f"teacher than cross-entropy alone."]
@@ -481,22 +481,14 @@ def _describe(sizes: dict) -> str:
 # -- the command line -------------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``topkd demo``'s options: ``--steps``, ``--teacher-steps``, ``--seed``, ``--out``,
     ``--quiet``."""
-    parser.add_argument("--steps", type=_positive, default=STEPS, metavar="N",
+    from ..cli import _int_at_least
+
+    parser.add_argument("--steps", type=_int_at_least(1), default=STEPS, metavar="N",
                         help=f"training steps of each student (default {STEPS})")
-    parser.add_argument("--teacher-steps", type=_positive, metavar="N",
+    parser.add_argument("--teacher-steps", type=_int_at_least(1), metavar="N",
                         help="training steps of the teacher (default: 1.5 x --steps)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the language, the data and the weights (default 0)")
