@@ -287,3 +287,24 @@ def test_compiled_gradient_chunk_is_not_float32_for_bf16(monkeypatch):
     d = _data(BF16)
     _call("topk_kl_loss", d, "compile")
     assert seen and set(seen) == {BF16}
+
+
+def test_compiling_says_so_once_per_configuration(caplog, monkeypatch):
+    """The first call of a configuration stops for seconds: it is logged (a WARNING the first
+    time in a process, shown by default, naming TOPKD_IMPL=eager; INFO for every kernel of a
+    new configuration), and a second call of the same configuration logs nothing."""
+    monkeypatch.setattr(topkd.compiled, "_seen", set())  # as in a fresh process
+    d = _data(F32)
+    caplog.set_level("INFO", logger="topkd")
+    topkd.kl_loss(d["s"], d["t"], impl="compile")
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "TOPKD_IMPL=eager" in warned[0].getMessage()
+    assert any(r.levelname == "INFO" and "compiling the" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    topkd.kl_loss(d["s"], d["t"], impl="compile")
+    assert not caplog.records
+    topkd.kl_loss(d["s"], d["t"], impl="eager")
+    assert not caplog.records
+    topkd.kl_loss(d["s"].bfloat16(), d["t"].bfloat16(), impl="compile")  # a new dtype
+    assert caplog.records and all(r.levelname == "INFO" for r in caplog.records)

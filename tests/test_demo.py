@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,16 +20,27 @@ from topkd.cli import main  # noqa: E402
 from topkd.hf import demo  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 100  # per student; the teacher trains 150 (the default demo: 400 and 600)
+STEPS = 100  # per student (the default demo: 400)
+TEACHER_STEPS = 150  # (the default demo: 240; 60 at 100 student steps is too few to teach)
 
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
-    """The demo with ``--steps 100 --out DIR``: its result, its printed table, DIR."""
+    """The demo with ``--steps 100 --teacher-steps 150 --out DIR``: its result, its printed
+    table, DIR."""
     out = tmp_path_factory.mktemp("demo") / "demo"
     printed = io.StringIO()
-    result = demo.run_demo(steps=STEPS, out=str(out), progress=False, file=printed)
+    threads = torch.get_num_threads()
+    result = demo.run_demo(steps=STEPS, teacher_steps=TEACHER_STEPS, out=str(out),
+                           progress=False, file=printed)
+    assert torch.get_num_threads() == threads  # restored
     return result, printed.getvalue(), out
+
+
+def test_one_thread_by_default(ran):
+    """Tiny models gain little from threads and lose a lot on a shared machine's cores."""
+    result, _, _ = ran
+    assert result.threads == demo.THREADS == 1
 
 
 def test_kd_halves_the_kl_and_beats_cross_entropy(ran):
@@ -138,3 +151,71 @@ def test_bad_steps(option, capsys):
         main(["demo", option, "0"])
     assert exit.value.code == 2
     assert f"{option}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def _demo_subprocess(tmp_path, *args, pythonpath=()):
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([*map(str, pythonpath), ROOT])}
+    return subprocess.run([sys.executable, "-m", "topkd.cli", "demo", "--steps", "1",
+                           "--teacher-steps", "1", "--quiet", *args], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+
+
+def test_what_the_demo_needs_is_checked_before_any_work(tmp_path):
+    """Without accelerate (hidden the way a missing package is: transformers' Trainer imports,
+    its TrainingArguments refuse), the demo stops at once, saying what to install, with nothing
+    trained or saved; an --out that is a file is refused as cleanly."""
+    block = tmp_path / "no-accelerate"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text("import sys\nsys.modules['accelerate'] = None\n")
+    out = tmp_path / "demo"
+    result = _demo_subprocess(tmp_path, "--out", str(out), pythonpath=[block])
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "topkd demo: error:" in result.stderr and "accelerate" in result.stderr
+    assert "pip install 'topkd[hf]'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "teacher").exists()
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    result = _demo_subprocess(tmp_path, "--out", str(afile))
+    assert result.returncode == 1
+    assert f"--out {str(afile)!r} exists and is not a directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def _training_flags(words: list[str]) -> dict:
+    """The options of a ``distill`` command line that decide what is trained."""
+    flags = {}
+    for name in ("--k", "--divergence", "--beta", "--max-steps", "--lr", "--batch-size"):
+        if name in words:
+            flags[name] = words[words.index(name) + 1]
+    return flags
+
+
+def test_readme_torchrun_example_trains_as_the_single_process_one():
+    """The README's torchrun line has the single-process example's settings (its global batch
+    too: --batch-size is per process), so it learns as that one does."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    lines = [shlex.split(line, comments=True) for block in re.findall(r"```bash\n(.*?)```",
+                                                                      text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    single = next(w for w in lines if w[:2] == ["topkd", "distill"] and "--teacher" in w)
+    ddp = next(w for w in lines if w[:1] == ["torchrun"] and "distill" in w)
+    processes = int(ddp[ddp.index("--nproc-per-node") + 1])
+    want, got = _training_flags(single), _training_flags(ddp)
+    assert int(got.pop("--batch-size")) * processes == int(want.pop("--batch-size"))
+    assert got == want
+
+
+def test_readme_install_takes_the_cpu_torch_first():
+    """On a machine without a GPU a plain `pip install -e .` pulls CUDA wheels of several GB:
+    the README's install says how to get the CPU build first."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    install = text.split("## Install", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", install, re.S).group(1)
+    commands = [shlex.split(line, comments=True) for line in block.splitlines()]
+    commands = [c for c in commands if c]
+    cpu = ["pip", "install", "torch", "--index-url", "https://download.pytorch.org/whl/cpu"]
+    assert commands[0] == cpu, commands
+    assert all(c[:3] == ["pip", "install", "-e"] for c in commands[1:]), commands

@@ -334,3 +334,82 @@ def test_bad_arguments(setup, tmp_path, capsys):
                  "--no-progress"])
     assert code == 1
     assert "is not the teacher's tokenizer" in capsys.readouterr().err
+
+
+# -- what a new user hit ---------------------------------------------------------------------
+
+
+def _spy_loads(monkeypatch):
+    """The model directories ``from_pretrained`` loads from here on."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = []
+    original = AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, path, *args, **kwargs):
+        loaded.append(os.path.basename(os.fspath(path)))
+        return original(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    return loaded
+
+
+def test_options_are_checked_before_the_models_load(setup, tmp_path, capsys, monkeypatch):
+    loaded = _spy_loads(monkeypatch)
+    out = tmp_path / "out"
+    code, _, err = _run(_args(setup, out, "--k", "5000"), capsys)
+    assert code == 1 and "k=5000 is larger than the vocabulary (62 tokens)" in err, err
+    assert loaded == [] and not out.exists()
+
+
+def test_a_failed_run_leaves_nothing_that_binds(setup, tmp_path, capsys):
+    """A run that fails before its first checkpoint (here: a teacher whose hidden states turn
+    NaN, stopped at step 1 with the row named) leaves --out free: a plain rerun with other
+    settings runs."""
+    from transformers import AutoModelForCausalLM
+
+    broken = tmp_path / "nan-teacher"
+    shutil.copytree(setup / "teacher", broken)
+    model = AutoModelForCausalLM.from_pretrained(broken)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    model.save_pretrained(broken)
+    out = tmp_path / "out"
+    code, _, err = _run(_args(setup, out, "--max-steps", "2", "--batch-size", "2",
+                              teacher=False) + ["--teacher", str(broken)], capsys)
+    assert code == 1
+    assert "step 1, batch row 0" in err and "the teacher gave NaN or infinite values" in err
+    assert (out / SETTINGS_FILE).exists() and last_checkpoint(str(out)) is None
+    code, stdout, err = _run(_args(setup, out, "--max-steps", "2", "--batch-size", "2",
+                                   "--k", "8"), capsys)
+    assert code == 0, err
+    assert "trained 2 steps" in stdout
+
+
+def test_a_store_of_another_teacher_is_refused(setup, tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(3, 6)))
+    store = tmp_path / "store"
+    build_store(setup / "teacher", data, store, k=8, progress=False)
+    other = tmp_path / "other-teacher"
+    shutil.copytree(setup / "teacher", other)
+    _model(9, scale=6.0).save_pretrained(other)  # the same tokenizer, other weights
+    base = ["distill", "--store", str(store), "--student", str(setup / "student"), "--data",
+            str(data), "--max-steps", "1", "--batch-size", "2", "--no-progress"]
+    code, _, err = _run(base + ["--teacher", str(other), "--out", str(tmp_path / "o1")],
+                        capsys)
+    assert code == 1 and "was built by another teacher than" in err and "other-teacher" in err
+    code, _, err = _run(base + ["--teacher", str(setup / "teacher"), "--out",
+                                str(tmp_path / "o2")], capsys)
+    assert code == 0, err
+
+
+def test_a_near_miss_flag_names_the_right_one(setup, tmp_path):
+    command = [sys.executable, "-m", "topkd.cli",
+               *_args(setup, tmp_path / "o", "--steps", "3")]
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --steps 3 (--steps: did you mean --max-steps?)" in \
+        result.stderr, result.stderr
+    assert "usage: topkd distill" in result.stderr  # the command's own usage

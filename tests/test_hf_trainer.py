@@ -205,15 +205,32 @@ def test_logged_loss_and_kd_under_accumulation(one_step_runs, tmp_path):
 
 
 def test_a_step_that_learns_nothing_changes_nothing(tmp_path):
-    """Every label -100 over a whole optimizer step: a zero loss and zero gradients, not the
-    0 / 0 that turned every parameter into NaN."""
-    data = hf_worker.items()
-    for item in data:
+    """Every label -100 over a whole optimizer step (the first; later items learn): a zero
+    loss and zero gradients, not the 0 / 0 that turned every parameter into NaN, and one
+    warning that says so."""
+    data = hf_worker.items() + hf_worker.items(seed=3)
+    for item in data[:4]:
         item["labels"] = [-100] * len(item["labels"])
-    params, log, _ = hf_worker.one_step(tmp_path, 2, 2, data=data)
+    with pytest.warns(UserWarning, match="step 1 learns no token"):
+        params, log, _ = hf_worker.one_step(tmp_path, 2, 2, data=data)
     for name, p in hf_worker.student().named_parameters():
         assert torch.equal(params[name], p.detach()), name
     assert log[0]["loss"] == 0.0 and "kd" not in log[0], log[0]
+
+
+def test_a_training_set_with_nothing_to_learn_is_refused(tmp_path):
+    """Every label -100, or every sequence one token long: refused before the first step
+    (not trained at a loss of 0)."""
+    silent = hf_worker.items()
+    for item in silent:
+        item["labels"] = [-100] * len(item["labels"])
+    single = hf_worker.items([(1, 0)] * 3)
+    for data in (silent, single):
+        trainer = trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(),
+                              train_dataset=data)
+        with pytest.raises(ValueError, match=f"nothing to learn: none of its {len(data)} items"):
+            trainer.train()
+        assert trainer.state.global_step == 0
 
 
 # -- 2. DDP ----------------------------------------------------------------------------------
@@ -592,3 +609,120 @@ def test_collator_pads_and_masks():
     for labels in ([1, 2, 3, 4], [1, 2]):  # named, not a shape error from a copy
         with pytest.raises(ValueError, match=f"3 input_ids but {len(labels)} labels"):
             KDCollator()([{"input_ids": [1, 2, 3], "labels": labels}])
+
+
+# -- 9. what a new user hits -----------------------------------------------------------------
+
+
+def _poisoned_teacher(token: int, value: float):
+    """The test teacher with ``value`` (NaN, inf) in the input embedding of ``token``: a
+    sequence holding the token gets non-finite hidden states everywhere (masked attention
+    weighs its value vector by 0, and 0 * NaN is NaN), the other sequences none."""
+    teacher = hf_worker.teacher()
+    with torch.no_grad():
+        teacher.get_input_embeddings().weight[token, 0] = value
+    return teacher
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_teacher_stops_training_before_the_optimizer(tmp_path, fused, value):
+    data = hf_worker.items([(6, 0), (7, 0)])
+    poison = data[1]["input_ids"][3]
+    assert poison not in data[0]["input_ids"] and poison not in data[1]["input_ids"][:3]
+    student = hf_worker.student()
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    trainer = trainer_for(tmp_path, student, _poisoned_teacher(poison, value),
+                          train_dataset=data, fused=fused, per_device_train_batch_size=2)
+    with pytest.raises(trainer_module.NonFiniteError,
+                       match="step 1, batch row 1, position 0: the teacher gave NaN or "
+                             "infinite values \\(.*; 6 row\\(s\\) of this batch\\)"):
+        trainer.train()
+    for name, p in student.named_parameters():  # nothing reached the optimizer
+        assert torch.equal(p.detach(), before[name]), name
+
+
+def test_a_non_finite_stored_row_stops_training(offline, tmp_path):
+    from topkd.store import TeacherStoreWriter
+
+    _, data, _ = offline
+    path = tmp_path / "bad-store"
+    with TeacherStoreWriter(path, k=K, vocab_size=V, logprob_dtype="float32") as writer:
+        for i, item in enumerate(data[:2]):
+            ids = torch.tensor(item["input_ids"])
+            with torch.no_grad():
+                logits = hf_worker.teacher()(input_ids=ids[None]).logits[0].float()
+            if i == 1:
+                logits[2] = float("nan")
+            writer.add(f"s{i}", ids, topkd.select_topk(logits, K))
+    stored = [{**item, "sample_id": f"s{i}"} for i, item in enumerate(data[:2])]
+    trainer = trainer_for(tmp_path, hf_worker.student(), store=path, train_dataset=stored,
+                          per_device_train_batch_size=2)
+    with pytest.raises(trainer_module.NonFiniteError,
+                       match="step 1, batch row 1 \\(sample id 's1'\\), position 2.*stored"):
+        trainer.train()
+
+
+def test_a_non_finite_teacher_head_is_refused_at_construction(tmp_path):
+    teacher = hf_worker.teacher()
+    with torch.no_grad():
+        teacher.lm_head.weight[3, 3] = float("nan")
+    with pytest.raises(trainer_module.NonFiniteError, match="LM head"):
+        trainer_for(tmp_path, hf_worker.student(), teacher)
+
+
+def test_text_items_are_tokenized_as_distill_tokenizes_them(tmp_path):
+    """A datasets.Dataset with a "text" column and processing_class=tokenizer trains, with the
+    loss of the same items given as token ids (tokenized by topkd's own function)."""
+    datasets = pytest.importorskip("datasets")
+    from topkd.store.build import encode_texts
+
+    tok = tokenizer(290)
+    texts = ["w5 w9 w13 w2 w40", "w7 w7 w8 w100 w3 w4 w5", "w250 w11 w12"]
+    text_data = datasets.Dataset.from_dict({"text": texts})
+    id_data = [{"input_ids": ids} for ids in encode_texts(tok, texts, None)]
+    losses = []
+    for data in (text_data, id_data):
+        trainer = trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(),
+                              processing_class=tok, train_dataset=data)
+        losses.append(loss_and_grads(trainer, [data[i] for i in range(len(texts))])[0])
+    assert float(losses[0]) == float(losses[1]) and float(losses[0]) > 0
+    trainer.train_dataset = text_data
+    trainer.train()  # the Trainer's own loader, collator and step
+    # with a length limit, as distill's --max-length
+    short = trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(),
+                        processing_class=tok, max_length=3)
+    assert short.data_collator([{"text": texts[1]}])["input_ids"].shape == (1, 3)
+    with pytest.raises(ValueError, match="'text' field and no 'input_ids': pass "
+                                         "processing_class"):
+        trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(),
+                    train_dataset=text_data)
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tmp_path):
+    data = hf_worker.items([(5, 0), (6, 0)])
+    data[1]["input_ids"][4] = V + 7
+    trainer = trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(),
+                          train_dataset=data, per_device_train_batch_size=2)
+    with pytest.raises(ValueError, match=f"step 1, batch row 1, position 4: token id {V + 7} "
+                                         f"is outside the vocabulary \\(the models embed ids "
+                                         f"0 to {V - 1}"):
+        trainer.train()
+
+
+def test_another_vocabulary_is_not_a_resize(tmp_path):
+    tok = tokenizer(290)
+    with pytest.raises(ValueError, match="the teacher has 200 output rows but the student's "
+                                         "tokenizer has 290 tokens: the teacher's vocabulary is "
+                                         "a different one.*not supported"):
+        trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(vocab_size=200),
+                    processing_class=tok)
+    with pytest.raises(ValueError, match="the student has 280 output rows but its tokenizer "
+                                         "has 290 tokens; resize its embeddings"):
+        trainer_for(tmp_path, hf_worker.student(vocab_size=280), hf_worker.teacher(),
+                    processing_class=tok)
+
+
+def test_k_larger_than_the_vocabulary_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match=f"k={V + 1} is larger than the vocabulary \\({V}"):
+        trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(), k=V + 1)

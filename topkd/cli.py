@@ -142,8 +142,36 @@ def main(argv=None) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if extra and getattr(args, "demo_error", None) is None:  # (a demo that failed to import
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # reports that instead)
+        _command_parser(parser, args).error(  # reports that instead)
+            f"unrecognized arguments: {' '.join(extra)}{_suggestions(parser, args, extra)}")
     return args.run(parser, args)
+
+
+def _command_parser(parser, args) -> argparse.ArgumentParser:
+    """The (sub)parser of the command ``args`` ran: its usage goes with its errors."""
+    names = [getattr(args, "command", None), getattr(args, "action", None)]
+    for name in names:
+        subparsers = next((a for a in parser._actions
+                           if isinstance(a, argparse._SubParsersAction)), None)
+        if name is None or subparsers is None or name not in subparsers.choices:
+            break
+        parser = subparsers.choices[name]
+    return parser
+
+
+def _suggestions(parser, args, extra) -> str:
+    """`` (did you mean --max-steps?)`` for unknown flags close to one the command has."""
+    import difflib
+
+    known = [o for a in _command_parser(parser, args)._actions for o in a.option_strings
+             if o.startswith("--")]
+    hints = []
+    for flag in (x.split("=", 1)[0] for x in extra if x.startswith("--")):
+        close = (difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                 or [o for o in known if len(flag) > 3 and flag[2:] in o][:1])
+        if close:
+            hints.append(f"{flag}: did you mean {close[0]}?")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _fail(prog: str, message) -> int:
@@ -377,7 +405,7 @@ def _distill(parser, args) -> int:
         parser.error("--kd-weight and --ce-weight are both 0: nothing to train")
     if args.store is not None and args.teacher is not None:
         print(f"{prog}: offline: the teacher in {args.teacher} is not loaded (its rows come "
-              f"from {args.store})", file=sys.stderr)
+              f"from {args.store}); the store is checked to be its rows", file=sys.stderr)
     if args.no_progress:
         try:
             from transformers.utils import logging as hf_logging
@@ -390,7 +418,7 @@ def _distill(parser, args) -> int:
 
         summary = distill(
             args.student, args.data, args.out,
-            teacher=None if args.store is not None else args.teacher, store=args.store,
+            teacher=args.teacher, store=args.store,
             eval_data=args.eval_data, k=args.k, top_p=args.top_p,
             temperature=args.temperature, divergence=args.divergence,
             beta=0.5 if args.beta is None else args.beta,
@@ -443,11 +471,18 @@ def _add_demo(commands, load: bool) -> None:
 
 def _demo(parser, args) -> int:
     if args.demo_error is not None:
-        return _fail("topkd demo", f"{args.demo_error} (topkd demo needs "
-                     f"pip install 'topkd[hf]')")
+        from ._extras import missing
+
+        absent = missing("hf")
+        needs = f"{', '.join(absent)}, not installed here" if absent else "topkd[hf]"
+        return _fail("topkd demo", f"topkd demo needs {needs}: pip install 'topkd[hf]' "
+                     f"(import error: {args.demo_error})")
     from .hf import demo
 
-    return demo.run(args)
+    try:
+        return demo.run(args)
+    except (ImportError, ValueError) as e:  # check_ready's: what is missing, before any work
+        return _fail("topkd demo", e)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ later processes start fast.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 
@@ -107,6 +108,7 @@ def _compiled(fn=None, *, rows: bool = True):
     def call(*args):
         if "fn" not in state:
             state["fn"] = torch.compile(fn, dynamic=True)
+        _announce(fn.__name__, args)
         single = rows and next(a for a in args if isinstance(a, torch.Tensor)).shape[0] == 1
         if single:
             args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
@@ -121,6 +123,31 @@ def _compiled(fn=None, *, rows: bool = True):
 
     call.eager = fn
     return call
+
+
+_seen: set = set()
+logger = logging.getLogger("topkd")
+
+
+def _announce(name: str, args) -> None:
+    """Say that a kernel is being compiled, once per configuration (the kernel, its tensors'
+    dtypes, its other arguments): INFO each time, and the first time in a process a WARNING
+    (shown by default), since the call then stops for seconds with no other sign."""
+    key = (name, *((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else repr(a)
+                   for a in args))
+    if key in _seen:
+        return
+    first = not _seen
+    _seen.add(key)
+    dtypes = sorted({str(a.dtype).removeprefix("torch.") for a in args
+                     if isinstance(a, torch.Tensor)})
+    logger.info("compiling the %s kernel (%s)", name, ", ".join(dtypes))
+    if first:
+        logger.warning(
+            "topkd: compiling its kernels for this loss configuration (torch.compile): the "
+            "first call of each configuration takes about 15-25 s on a CPU (a few seconds "
+            "once inductor's on-disk cache is warm); later calls do not recompile. "
+            "TOPKD_IMPL=eager or impl='eager' skips compiling.")
 
 
 # ---- element-wise pieces (traced into each kernel) ----------------------------------------

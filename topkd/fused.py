@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _checks, parallel
+from . import _checks, parallel, sources
 from .engine import Call, Config, path_class
 from .losses import (
     KL_OPTIONS,
@@ -71,20 +71,24 @@ _FUSED_FRACTION = 5
 _TEACHER_BLOCK_DIVISOR = 4
 
 
-def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks, compiled=False):
+def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks, compiled=False,
+            workspace=0):
     """``(work chunk rows, student block rows, teacher block rows)``, the teacher's only with
     ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the engine
     combines statistics per chunk, so every rank must cut the same chunks. One-pass losses
     stage the student's gradient in its own blocks; the two-pass ones hold a stage of that many
-    rows but no student block."""
+    rows but no student block. ``workspace``: what a matrix product allocates while it runs
+    (:func:`~topkd.sources.gemm_workspace`), taken from the default budget so that the peak,
+    products included, stays within it."""
     width = shard.widest + 1
     total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // 5
     if total is None:
         # By default at least 1 MiB, all of it for the work chunks if need be: at small shapes
-        # the per-chunk overhead, not the products' speed or the memory, is what counts.
+        # the per-chunk overhead, not the products' speed or the memory, is what counts;
+        # less where the products' workspace takes some of it.
         total = min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION)
-        total = max(total, MIN_CHUNK_BYTES)
-        work = max(total // 5, MIN_CHUNK_BYTES)
+        total = max(total, MIN_CHUNK_BYTES) - workspace
+        work = max(total // 5, min(MIN_CHUNK_BYTES, total))
     row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
     per = least_rows(chunk_rows(work, width, rows, element, buffers=buffers), compiled)
     # The blocks get what the work chunks leave (at least 4/5, unless a chunk had to be made
@@ -161,9 +165,10 @@ def _config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels,
     # the work chunks' fifth of the budget over at least three float32 buffers (issue 3's
     # measured split): the one-pass loop's temporaries live beside the chunk
     buffers = max(3, path_class(cfg, sparse).buffers(cfg, labels))
-    element = product_dtype(hidden.dtype, weight.dtype).itemsize
-    per, block, teacher_block = _budget(chunk_bytes, shard, n, element, buffers,
-                                        teacher_blocks, cfg.compiled)
+    dtype = product_dtype(hidden.dtype, weight.dtype)
+    per, block, teacher_block = _budget(chunk_bytes, shard, n, dtype.itemsize, buffers,
+                                        teacher_blocks, cfg.compiled,
+                                        sources.gemm_workspace(dtype, hidden.device))
     return Config(**{**cfg.__dict__, "rows_per_chunk": per, "block_rows": block,
                      "teacher_block_rows": teacher_block})
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from . import compiled as compiled_kernels
 
@@ -118,19 +117,50 @@ class LinearRows:
 
     def low_chunk(self, start: int, stop: int, columns: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-        hidden, weight = self.flat_hidden[start:stop], self.weight[:columns]
-        if out is None:
-            bias = None if self.bias is None else self.bias[:columns]
-            return F.linear(hidden, weight, bias)
-        if self.bias is None:
-            return torch.mm(hidden, weight.T, out=out)
-        return torch.addmm(self.bias[:columns], hidden, weight.T, out=out)
+        bias = None if self.bias is None else self.bias[:columns]
+        return matmul(self.flat_hidden[start:stop], self.weight[:columns].T, out=out, bias=bias)
 
     def rows(self, start: int, stop: int) -> LinearRows:
         return LinearRows(self.flat_hidden[start:stop], self.weight, self.bias, self.stage_rows)
 
     def gradient(self, needs_grad, compiled: bool = False) -> LinearGradient:
         return LinearGradient(self, *needs_grad, stage_rows=self.stage_rows, compiled=compiled)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None, add: bool = False) -> torch.Tensor:
+    """``a @ b`` (``+ bias``), into ``out`` when given, or added to ``out`` (``add``): every
+    matrix product of the fused losses, so that what one costs beyond its operands
+    (:func:`gemm_workspace`) is accounted for in one place."""
+    if add:
+        return out.addmm_(a, b)
+    if bias is not None:
+        return torch.addmm(bias, a, b, out=out) if out is not None else torch.addmm(bias, a, b)
+    return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
+
+
+# oneDNN's brgemm matmul holds per thread, for the length of one product, a copy of B's blocks
+# (K_blk <= 1,024 x N_blk = 64, bf16), float32 accumulators (M_blk <= 256 x 64) and a copy of a
+# transposed A (<= 256 x 512): about 0.45 MiB; this rounds it up.
+ONEDNN_WORKSPACE_PER_THREAD = 2**19
+
+
+def gemm_workspace(dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes that one matrix product of ``dtype`` on ``device`` allocates through PyTorch's
+    allocator while it runs, beyond its operands and result.
+
+    On CPUs with AVX512 or AMX, PyTorch runs bfloat16 / float16 products with oneDNN, whose
+    scratchpad is allocated per call (:data:`ONEDNN_WORKSPACE_PER_THREAD` per thread).
+    Elsewhere nothing the allocator sees: MKL's float32 products and PyTorch's own bfloat16
+    kernels (AVX2 CPUs) keep their temporaries outside it, and cuBLAS allocates its workspace
+    once, not per product."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return 0
+    supported = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
+                 else torch.ops.mkldnn._is_mkldnn_fp16_supported)
+    return torch.get_num_threads() * ONEDNN_WORKSPACE_PER_THREAD if supported() else 0
 
 
 class Storage:
@@ -274,13 +304,13 @@ class LinearGradient:
         start + len(grad_low))`` in the weight's dtype: one product each, over many rows."""
         rows, columns = self.rows, grad_low.shape[1]
         if self.hidden is not None:
-            torch.mm(grad_low, rows.weight[:columns],
-                     out=self.hidden[start:start + grad_low.shape[0]])
+            matmul(grad_low, rows.weight[:columns],
+                   out=self.hidden[start:start + grad_low.shape[0]])
         if self.weight is None:
             return
         hidden = rows.flat_hidden[start:start + grad_low.shape[0]]
         if grad_low.dtype == torch.float32:
-            self.weight[:columns].addmm_(grad_low.T, hidden)
+            matmul(grad_low.T, hidden, out=self.weight[:columns], add=True)
             return
         count = grad_low.shape[0]
         if count >= _ROUNDED_PRODUCT_ROWS:
@@ -296,7 +326,7 @@ class LinearGradient:
                                                           device=low.device)
             for lo in range(0, columns, tile):
                 hi = min(columns, lo + tile)
-                product = torch.mm(grad_low[:, lo:hi].T, hidden, out=low[:hi - lo])
+                product = matmul(grad_low[:, lo:hi].T, hidden, out=low[:hi - lo])
                 if self.compiled:
                     compiled_kernels.accumulate_(self.weight[lo:hi], product)
                 else:  # (widening first is twice as fast as add_'s mixed-dtype path on CPU)
@@ -309,7 +339,7 @@ class LinearGradient:
         tile = max(1, columns * grad_low.element_size() // 16)
         for lo in range(0, columns, tile):
             hi = min(columns, lo + tile)
-            self.weight[lo:hi].addmm_(grad_low[:, lo:hi].T.float(), hidden)
+            matmul(grad_low[:, lo:hi].T.float(), hidden, out=self.weight[lo:hi], add=True)
 
     def finish(self, columns: int) -> None:
         """After the chunk loop: add what is still staged, and drop the stage."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..store import collate_teachers, require_keys
@@ -15,26 +17,49 @@ def _sequence(item: dict, key: str) -> torch.Tensor:
 class KDCollator:
     """Right-pads dataset items into a batch and attaches the stored teacher rows.
 
-    Items are dicts with ``input_ids`` (``[L_i]``), optionally ``attention_mask`` and
+    Items are dicts with ``input_ids`` (``[L_i]``) or, with a ``tokenizer``, a text field
+    (``text_field``, tokenized as ``topkd store build`` and ``topkd distill`` tokenize:
+    special tokens added, truncated to ``max_length``); optionally ``attention_mask`` and
     ``labels`` (``-100`` on tokens not to learn, e.g. a prompt; default: the tokens
     themselves), and with a ``store``: ``sample_id`` (or a ready ``teacher``
     :class:`~topkd.SparseTeacher` ``[L_i, K]``, as :class:`~topkd.store.TeacherDataset` gives).
 
     The batch: ``input_ids``, ``attention_mask`` and ``labels`` int64 ``[B, L]`` (padding is
-    ``pad_token_id``, mask 0, label -100) and, with a store, ``teacher`` ``[B, L, K]`` (each
-    sequence's rows checked against its tokens' hash) and ``sample_ids``.
+    ``pad_token_id``, mask 0, label -100); ``sample_ids`` when the items have them; with a
+    store, ``teacher`` ``[B, L, K]`` (each sequence's rows checked against its tokens' hash).
 
     Alignment, the one rule: the row at position ``t`` predicts token ``t + 1``; the loss
     applies to row ``t`` where ``labels[t + 1] != -100``. Stored rows follow the same rule.
     """
 
-    def __init__(self, pad_token_id: int = 0, store=None, pad_to_multiple_of: int | None = None):
+    def __init__(self, pad_token_id: int = 0, store=None, pad_to_multiple_of: int | None = None,
+                 *, tokenizer=None, text_field: str = "text", max_length: int | None = None):
         self.pad_token_id = int(pad_token_id)
         self.store = store
         self.multiple = pad_to_multiple_of
+        self.tokenizer, self.text_field, self.max_length = tokenizer, text_field, max_length
+
+    def _with_ids(self, items: list) -> list:
+        """The items, those that carry text but no ``input_ids`` tokenized (together)."""
+        texts = [i for i, item in enumerate(items) if isinstance(item, Mapping)
+                 and "input_ids" not in item and self.text_field in item]
+        if not texts:
+            return items
+        if self.tokenizer is None:
+            raise ValueError(f"KDTrainer's collator: item {texts[0]} has a {self.text_field!r} "
+                             f"field but no 'input_ids', and there is no tokenizer to make "
+                             f"them: pass processing_class=<the student's tokenizer>")
+        from ..store.build import encode_texts
+
+        encoded = encode_texts(self.tokenizer, [items[i][self.text_field] for i in texts],
+                               self.max_length)
+        items = list(items)
+        for i, ids in zip(texts, encoded, strict=True):
+            items[i] = {**items[i], "input_ids": ids}
+        return items
 
     def __call__(self, items) -> dict:
-        items = list(items)
+        items = self._with_ids(list(items))
         keys = ("input_ids",) if self.store is None else ("input_ids", "sample_id")
         for item in items:
             require_keys(item, keys if "teacher" not in item else ("input_ids",),
@@ -59,9 +84,10 @@ class KDCollator:
             labels[b, :n] = _sequence(item, "labels") if "labels" in item else seq
         labels[attention == 0] = -100
         out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+        if self.store is not None or any("sample_id" in item for item in items):
+            out["sample_ids"] = [item.get("sample_id") for item in items]
         if self.store is not None:
             out["teacher"] = self._teachers(items, ids, length)
-            out["sample_ids"] = [item.get("sample_id") for item in items]
         return out
 
     def _teachers(self, items, ids, length) -> SparseTeacher:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._extras import require
 from ..compiled import ENV as IMPL_ENV
 
 VOCAB_SIZE = 1024
@@ -53,6 +54,7 @@ STUDENT_LR = 3e-3
 K = 16
 STEPS = 400  # each student's
 EVAL_BATCH = 64
+THREADS = 1  # PyTorch CPU threads of the run (see run_demo)
 
 
 # -- the language -----------------------------------------------------------------------------
@@ -197,6 +199,7 @@ class DemoResult:
     steps: int
     teacher_steps: int
     teacher_ce: float
+    threads: int
     runs: dict[str, RunResult] = field(default_factory=dict)
     store_tokens: int = 0
     store_bytes: int = 0
@@ -217,27 +220,62 @@ RUNS = {
 # -- the demo ---------------------------------------------------------------------------------
 
 
+def check_ready(out: str | None) -> None:
+    """What the demo needs, checked before it spends minutes: every package it imports
+    (``topkd[hf]``), the Trainer's own requirements (a :class:`KDConfig` is made), and that
+    ``out`` (when given) is a directory it can write. ImportError or ValueError naming what
+    is missing."""
+    require("hf", "topkd demo")
+    try:
+        from transformers import Trainer  # noqa: F401
+
+        with tempfile.TemporaryDirectory(prefix="topkd-demo-check-") as work:
+            _config(work)  # TrainingArguments checks what the Trainer needs (accelerate's version)
+    except ImportError as e:
+        raise ImportError(f"topkd demo: the Hugging Face Trainer cannot run here: {e} "
+                          f"(pip install 'topkd[hf]')") from e
+    if out is None:
+        return
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} exists and is not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot write there ({e})") from e
+
+
 def run_demo(*, steps: int = STEPS, teacher_steps: int | None = None, seed: int = 0,
-             out: str | None = None, progress: bool = True, file=None) -> DemoResult:
+             out: str | None = None, progress: bool = True, file=None,
+             threads: int | None = THREADS) -> DemoResult:
     """Generate the corpus, train the teacher for ``teacher_steps`` (default
-    ``3 * steps // 2``), distill the student three ways for ``steps`` each, print the table to
+    ``3 * steps // 5``), distill the student three ways for ``steps`` each, print the table to
     ``file`` (default stdout) and return the numbers.
 
     The students train on the first ``steps * STUDENT_BATCH`` training sequences (at most
     ``TRAIN_SEQUENCES``), and the store holds the teacher's rows of those. With ``out``, the
     trained teacher, the untrained student, the store and the data are saved there
     (:func:`_save`; an ``out/store`` already there is replaced); without it nothing is kept.
-    Progress bars go to stderr when ``progress``. Runs on the GPU when there is one."""
+    Progress bars go to stderr when ``progress``. Runs on the GPU when there is one.
+
+    ``threads``: PyTorch's CPU threads for the run (restored after; None: leave them). The
+    default is one: two are faster on a quiet machine, but threads that share a busy
+    machine's cores wait on each other, and the demo should take minutes anywhere (see the
+    README for the timings). Everything the demo needs is checked first
+    (:func:`check_ready`)."""
+    check_ready(out)
     from transformers.utils import logging as hf_logging
 
     file = sys.stdout if file is None else file
-    teacher_steps = 3 * steps // 2 if teacher_steps is None else teacher_steps
+    teacher_steps = 3 * steps // 5 if teacher_steps is None else teacher_steps
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="topkd-demo-"))
-        if out is not None:
-            os.makedirs(out, exist_ok=True)
         stack.enter_context(_eager_kernels())
+        if threads is not None:
+            stack.callback(torch.set_num_threads, torch.get_num_threads())
+            torch.set_num_threads(threads)
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the Trainer's notices about its defaults
         stack.callback(hf_logging.set_verbosity, verbosity)
@@ -252,7 +290,8 @@ def run_demo(*, steps: int = STEPS, teacher_steps: int | None = None, seed: int 
         teacher = _model(TEACHER, seed)
         _train_teacher(teacher, corpus, teacher_steps, seed, progress)
         result = DemoResult(steps=steps, teacher_steps=teacher_steps,
-                            teacher_ce=_cross_entropy(teacher, held_out))
+                            teacher_ce=_cross_entropy(teacher, held_out),
+                            threads=torch.get_num_threads())
         student = _model(STUDENT, seed + 1)
         if out is not None:
             _save(out, teacher, student, corpus, held_out)
@@ -489,20 +528,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=_int_at_least(1), default=STEPS, metavar="N",
                         help=f"training steps of each student (default {STEPS})")
     parser.add_argument("--teacher-steps", type=_int_at_least(1), metavar="N",
-                        help="training steps of the teacher (default: 1.5 x --steps)")
+                        help="training steps of the teacher (default: 0.6 x --steps)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the language, the data and the weights (default 0)")
     parser.add_argument("--out", metavar="DIR",
                         help="save the trained teacher, the untrained student, the store and "
                         "the data (JSON Lines of token ids) in DIR, for the README's examples "
                         "(default: keep nothing)")
+    parser.add_argument("--threads", type=_int_at_least(1), default=THREADS, metavar="N",
+                        help=f"PyTorch CPU threads (default {THREADS}: more are faster on a "
+                        f"quiet machine and far slower on a busy one)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     """``topkd demo`` with the options of :func:`add_arguments`; the exit status."""
     run_demo(steps=args.steps, teacher_steps=args.teacher_steps, seed=args.seed,
-             out=args.out, progress=not args.quiet)
+             out=args.out, progress=not args.quiet, threads=args.threads)
     return 0
 
 

@@ -52,7 +52,8 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
             are skipped.
         out: the output directory: checkpoints, :data:`SETTINGS_FILE`, the final student.
         teacher: the teacher's directory (online). Its tokenizer must be the student's (a
-            fingerprint is compared). Not loaded when ``store`` is given.
+            fingerprint is compared). With ``store`` it is not loaded: the store's recorded
+            teacher fingerprint must be this checkpoint's.
         store: a teacher store's directory (offline): items are read by the sample ids the data
             file gives (the ids the store was built with), checked against their tokens' hash.
             ``max_length`` defaults to the store's build setting and must equal it.
@@ -124,6 +125,10 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
             raise ValueError(f"max_length={max_length} but the store {opened.path} was built "
                              f"with max_length={built}: the tokens would differ from the "
                              f"store's; use its setting")
+        if teacher is not None:
+            _same_teacher(opened, teacher)
+    _check_configs(student, None if store is not None else teacher, opened, tokenizer,
+                   teacher_tokenizer, k=k, top_p=top_p, temperature=temperature)
 
     settings = {
         "student": os.path.abspath(student), "data": os.path.abspath(data),
@@ -266,17 +271,16 @@ class _Samples(torch.utils.data.Dataset):
         """Read and tokenize a data file as ``topkd store build`` does (texts with truncation
         to ``max_length``, given ids cut to it), checking ids against the student's
         embeddings (``limit``) and, with a store, that it holds every sample."""
-        from ..store.build import read_samples
+        from ..store.build import encode_texts, read_samples
 
         ids, sequences, skipped, seen, pending = [], [], 0, set(), []
 
         def flush():
             nonlocal skipped
-            texts = [s[2] for s in pending if s[3] is None]
-            encoded = iter(tokenizer(texts, truncation=max_length is not None,
-                                     max_length=max_length)["input_ids"] if texts else [])
+            encoded = iter(encode_texts(tokenizer, [s[2] for s in pending if s[3] is None],
+                                        max_length))
             for where, sample_id, _, given in pending:
-                seq = list(next(encoded)) if given is None else given
+                seq = next(encoded) if given is None else given
                 if max_length is not None:
                     seq = seq[:max_length]
                 bad = [t for t in seq if not 0 <= t < limit]
@@ -310,6 +314,44 @@ class _Samples(torch.utils.data.Dataset):
                 flush()
         flush()
         return cls(ids, sequences, skipped)
+
+
+def _same_teacher(store, teacher: str) -> None:
+    """A store read beside ``--teacher`` must be that teacher's rows (its recorded
+    fingerprint of the checkpoint, :func:`topkd.store.build.teacher_fingerprint`)."""
+    from ..store.build import teacher_fingerprint
+
+    recorded = store.manifest.get("metadata", {}).get("teacher_fingerprint")
+    if recorded is None:
+        print(f"topkd distill: warning: the store {store.path} records no teacher fingerprint "
+              f"(not built by topkd store build), so it cannot be checked against {teacher}",
+              file=sys.stderr)
+        return
+    mine = teacher_fingerprint(teacher)
+    if mine != recorded:
+        raise ValueError(f"the store {store.path} was built by another teacher than {teacher} "
+                         f"(teacher fingerprint {recorded}, this teacher's {mine}); use the "
+                         f"teacher it was built from, or rebuild the store with this one")
+
+
+def _check_configs(student, teacher, store, tokenizer, teacher_tokenizer, *, k, top_p,
+                   temperature) -> None:
+    """The settings against the models' configs (their output rows) and tokenizers, and the
+    store's manifest, before any model is loaded: what KDTrainer would find at construction or
+    at the first step, found in a second."""
+    from transformers import AutoConfig
+
+    from .trainer import check_setup
+
+    def rows(directory) -> int:
+        config = AutoConfig.from_pretrained(directory)
+        return getattr(config, "get_text_config", lambda: config)().vocab_size
+
+    widths = {"student": rows(student)}
+    if teacher is not None:
+        widths["teacher"] = rows(teacher)
+    check_setup(k=k, top_p=top_p, temperature=temperature, widths=widths, tokenizer=tokenizer,
+                store=store, teacher_tokenizer=teacher_tokenizer)
 
 
 def _embeddings(model) -> int:
@@ -353,16 +395,17 @@ def _step(path: str) -> int:
 
 def _resume_point(out: str, settings: dict, resume: bool) -> str | None:
     """The checkpoint to resume from (None: start afresh); refuses to start over a previous
-    run's output without ``resume``, and to resume with settings that change the training."""
+    run's checkpoints without ``resume``, and to resume them with settings that change the
+    training. Only a checkpoint binds: a run that failed before its first one (a bad option,
+    a crash, a kill) left nothing to continue, and ``out`` is free for any settings."""
     recorded_path = os.path.join(out, SETTINGS_FILE)
     previous = _checkpoints(out)
     if not resume:
-        if previous or os.path.exists(recorded_path):
-            what = previous[-1][1] if previous else recorded_path
-            raise ValueError(f"{out} already holds a distillation run ({what}); pass --resume "
-                             f"to continue it, or give another --out")
+        if previous:
+            raise ValueError(f"{out} already holds a distillation run ({previous[-1][1]}); pass "
+                             f"--resume to continue it, or give another --out")
         return None
-    if os.path.exists(recorded_path):
+    if previous and os.path.exists(recorded_path):
         with open(recorded_path, encoding="utf-8") as f:
             recorded = json.load(f)
         changed = {key: (recorded.get(key), value) for key, value in settings.items()

@@ -54,18 +54,31 @@ def transformed(logits: torch.Tensor, scale: float, softcap: float | None) -> to
 
 def vocabulary(tokenizer, widths: dict[str, int]) -> int:
     """The real vocabulary: the tokenizer's size when there is one (heads are often padded:
-    Qwen's 151,936 or 152,064 rows for 151,665 tokens), else the heads' common width."""
+    Qwen's 151,936 or 152,064 rows for 151,665 tokens), else the heads' common width.
+    ``widths``: output rows by model, ``"student"`` (the tokenizer's own model) first."""
     if tokenizer is not None:
         size = len(tokenizer)
-        wide = {name: w for name, w in widths.items() if w < size}
-        if wide:
-            raise ValueError(f"the tokenizer has {size} tokens but {wide} has fewer output rows; "
-                             f"resize the model's embeddings")
+        narrow = {name: w for name, w in widths.items() if w < size}
+        if "teacher" in narrow:
+            raise ValueError(
+                f"the teacher has {narrow['teacher']} output rows but the student's tokenizer "
+                f"has {size} tokens: the teacher's vocabulary is a different one. Distillation "
+                f"pairs the two models' rows token by token, so both must use one tokenizer; "
+                f"distillation across tokenizers is not supported")
+        if narrow:
+            raise ValueError(f"the student has {narrow['student']} output rows but its tokenizer "
+                             f"has {size} tokens; resize its embeddings "
+                             f"(model.resize_token_embeddings({size}))")
         return size
     if len(set(widths.values())) > 1:
         raise ValueError(f"the output widths differ ({widths}) and no tokenizer says which "
                          f"columns are padding; pass processing_class=<the tokenizer>")
     return next(iter(widths.values()))
+
+
+def embedding_rows(model) -> int:
+    """How many token ids the model's input embeddings take."""
+    return unwrap(model).get_input_embeddings().weight.shape[0]
 
 
 class FinalHidden:
@@ -95,7 +108,9 @@ class FinalHidden:
             hidden = hidden.to(torch.get_autocast_dtype(device))
         self._hidden = hidden
 
-    def __call__(self, model, input_ids, attention_mask) -> torch.Tensor:
+    def __call__(self, model, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden [B, T, H], the model's own logits [B, V] at the last position)``; the
+        caller checks them with :meth:`check` once (after it has checked they are finite)."""
         probe = input_ids.shape[1] - 1
         keep = torch.tensor([probe], device=input_ids.device)
         hook = self.decoder.register_forward_hook(self._keep)
@@ -107,19 +122,23 @@ class FinalHidden:
         hidden, self._hidden = self._hidden, None
         if hidden is None:
             raise RuntimeError(f"the decoder {type(self.decoder).__name__} did not run")
-        if not self.checked:
-            self.check(model, hidden[:, probe], output.logits[:, 0])
-        return hidden
+        return hidden, output.logits[:, 0]
 
     def check(self, model, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        """Once: the model's own logits at the probe position must equal the transform of
-        ``F.linear(hidden, weight, bias)`` (an unknown head would make the fused loss wrong)."""
+        """Once: the model's own logits at the last position (``logits`` ``[B, V]``) must
+        equal the transform of ``F.linear(hidden[:, -1], weight, bias)`` (an unknown head
+        would make the fused loss wrong)."""
+        if self.checked:
+            return
         weight, bias = head(model)
         with torch.no_grad():
-            ours = transformed(F.linear(hidden.float(), weight.float(),
+            theirs = logits.float()
+            if not bool(torch.isfinite(theirs).all()):
+                raise NonFiniteError(f"{type(unwrap(model)).__name__}'s logits are not finite "
+                                     f"(NaN or inf) at the last position of the batch")
+            ours = transformed(F.linear(hidden[:, -1].float(), weight.float(),
                                         None if bias is None else bias.float()),
                                self.scale, self.softcap)
-            theirs = logits.float()
             error = (ours - theirs).abs().max().item()
             size = theirs.abs().max().item()
         tolerance = (0.02 if min(hidden.dtype.itemsize, logits.dtype.itemsize) < 4 else 1e-4)
@@ -130,3 +149,17 @@ class FinalHidden:
                 f"logit_scale={self.scale}, softcap={self.softcap} read from its config): its "
                 f"head does something the fused loss does not know; use fused=False")
         self.checked = True
+
+
+class NonFiniteError(ValueError):
+    """A model (the teacher, or the student) gave NaN or infinite values: training on them
+    would put NaN into the student's weights."""
+
+
+def nonfinite_rows(x: torch.Tensor, logits: bool = False) -> torch.Tensor:
+    """Bool ``[...]``: the rows of ``x`` ``[..., D]`` holding a NaN or an infinity. For
+    ``logits``, -inf is a token the model rules out, allowed unless the whole row is -inf (no
+    distribution). One reduction per row: no ``x``-sized temporary for logits."""
+    if logits:
+        return ~torch.isfinite(x.amax(-1))  # NaN propagates through amax
+    return ~torch.isfinite(x.abs().amax(-1))

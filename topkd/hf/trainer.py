@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -18,7 +19,14 @@ from ..fused import fused_kl_loss, fused_topk_kl_loss
 from ..losses import kl_loss, sparse_kl_loss, topk_kl_loss
 from ..teacher import SparseTeacher
 from .data import KDCollator
-from .models import FinalHidden, head, vocabulary
+from .models import (
+    FinalHidden,
+    NonFiniteError,
+    embedding_rows,
+    head,
+    nonfinite_rows,
+    vocabulary,
+)
 
 _SPARSE = ("indices", "logprobs", "rest_logprob")
 
@@ -50,6 +58,10 @@ class KDConfig(TrainingArguments):
     normalize: str = field(default="full", metadata={"help": "full or topk"})
     fused: bool = field(default=True, metadata={"help": "never build the [B, T, V] logits"})
     chunk_bytes: int | None = field(default=None, metadata={"help": "the loss's work budget"})
+    text_field: str = field(default="text", metadata={
+        "help": "items with this field and no input_ids are tokenized by processing_class"})
+    max_length: int | None = field(default=None, metadata={
+        "help": "truncate tokenized text to this many tokens"})
     remove_unused_columns: bool = False
 
     def kd_divergence(self) -> divergences.Divergence:
@@ -101,27 +113,20 @@ class KDTrainer(Trainer):
             raise ValueError("give exactly one of teacher= (online) and store= (offline), got "
                              f"teacher={type(teacher).__name__}, store={type(store).__name__}")
         self.divergence = args.kd_divergence()
-        if args.k is None and store is None and args.top_p is not None:
-            raise ValueError(f"top_p={args.top_p} needs k (the full-vocabulary loss keeps all)")
         if store is not None:
             store = _open_store(store)
-            if args.k is not None and args.k != store.k:
-                raise ValueError(f"k={args.k} but the store {store.path} keeps k={store.k}")
-            if args.temperature is not None and args.temperature != store.temperature:
-                raise ValueError(f"temperature={args.temperature} but the store {store.path} "
-                                 f"was built at temperature={store.temperature}")
-            _same_tokenizer(processing_class, store.manifest.get("tokenizer_fingerprint"),
-                            f"the store {store.path}")
-        else:
-            fingerprint = None
-            if teacher_tokenizer is not None:
-                from ..store import tokenizer_fingerprint
-
-                fingerprint = tokenizer_fingerprint(teacher_tokenizer)
-            _same_tokenizer(processing_class, fingerprint, "the teacher's tokenizer")
+        _check_text_items(kwargs.get("train_dataset"), args, processing_class)
+        widths = {"student": head(model)[0].shape[0]}
+        if teacher is not None:
+            widths["teacher"] = head(teacher)[0].shape[0]
+        self.vocab_size = check_setup(k=args.k, top_p=args.top_p, temperature=args.temperature,
+                                      widths=widths, tokenizer=processing_class, store=store,
+                                      teacher_tokenizer=teacher_tokenizer)
         if data_collator is None:
             pad = getattr(processing_class, "pad_token_id", None)
-            data_collator = KDCollator(0 if pad is None else pad, store=store)
+            data_collator = KDCollator(0 if pad is None else pad, store=store,
+                                       tokenizer=processing_class, text_field=args.text_field,
+                                       max_length=args.max_length)
         super().__init__(model=model, args=args, data_collator=data_collator,
                          processing_class=processing_class, **kwargs)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
@@ -133,18 +138,17 @@ class KDTrainer(Trainer):
                              f"{args.parallel_mode}); on CPU pass use_cpu=True")
         self.loss_is_scaled_for_ga = True  # the loss is divided by the step's global count
         self.teacher, self.store = teacher, store
-        widths = {"student": head(self.model)[0].shape[0]}
+        # token ids every model embeds (a larger one is an IndexError deep in the model)
+        self._id_limit = min(embedding_rows(m) for m in (self.model, teacher) if m is not None)
         if teacher is not None:
             teacher.eval().requires_grad_(False).to(self.args.device)
-            widths["teacher"] = head(teacher)[0].shape[0]
-            self.vocab_size = vocabulary(processing_class, widths)
-        else:
-            self.vocab_size = store.vocab_size
-            if widths["student"] < store.vocab_size:
-                raise ValueError(f"the student has {widths['student']} output rows, fewer than "
-                                 f"the store's vocabulary {store.vocab_size}")
+            if any(t is not None and bool(nonfinite_rows(t.detach().reshape(1, -1)).any())
+                   for t in head(teacher)):
+                raise NonFiniteError("the teacher's output embeddings (its LM head) hold NaN or "
+                                     "infinite values")
         self._student_hidden = FinalHidden(self.model) if args.fused else None
         self._teacher_hidden = FinalHidden(teacher) if args.fused and teacher else None
+        self._warned_empty = False
         self._sums = torch.zeros(3, dtype=torch.float64)  # kd, ce, tokens since the last log
 
     # -- the loss ------------------------------------------------------------------------------
@@ -155,9 +159,23 @@ class KDTrainer(Trainer):
         count = torch.tensor(count, dtype=torch.int64, device=device)
         if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(count)
+        if int(count) == 0 and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(f"step {self.state.global_step + 1} learns no token: every label of "
+                          f"its batches is -100 past the first position (or each sequence has "
+                          f"one token); its loss is 0 and it changes nothing. Warned once per "
+                          f"run.", stacklevel=2)
         # a step that learns no token (every label -100) divides its zero sum by 1: 0 / 0
         # would make every gradient, then every parameter, NaN
         return count.clamp_(min=1)
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``, refusing first a training set with nothing to learn."""
+        config = self.args
+        _check_learnable(self.train_dataset, KDCollator(
+            tokenizer=self.processing_class, text_field=config.text_field,
+            max_length=config.max_length))
+        return super().train(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         parts = self._parts(model, inputs, self.args.ce_weight)
@@ -178,6 +196,7 @@ class KDTrainer(Trainer):
         args = self.args
         input_ids, attention = inputs["input_ids"], inputs.get("attention_mask")
         keep = inputs["labels"][:, 1:] != -100
+        self._check_ids(input_ids, inputs)
         common = dict(vocab_size=self.vocab_size, reduction="sum", chunk_bytes=args.chunk_bytes,
                       return_components=True)
         if ce_weight:
@@ -185,31 +204,39 @@ class KDTrainer(Trainer):
         if self.store is not None:
             teacher = self._stored(inputs, keep)
         if args.fused:
-            with self.accelerator.autocast():
-                hidden = self._student_hidden(model, input_ids, attention)[:, :-1][keep]
-            weight, bias = head(model)
-            student = dict(hidden=hidden, weight=weight, bias=bias,
-                           logit_scale=self._student_hidden.scale,
-                           softcap=self._student_hidden.softcap)
             if self.store is None:
                 with torch.no_grad(), self.accelerator.autocast():
-                    t_hidden = self._teacher_hidden(self.teacher, input_ids, attention)
+                    t_hidden, probe = self._teacher_hidden(self.teacher, input_ids, attention)
+                self._check_teacher(nonfinite_rows(t_hidden[:, :-1]), keep, inputs,
+                                    "its final hidden states")
+                self._teacher_hidden.check(self.teacher, t_hidden, probe)
                 t_weight, t_bias = head(self.teacher)
                 teacher = (t_hidden[:, :-1][keep], t_weight) + (() if t_bias is None
                                                                 else (t_bias,))
+            with self.accelerator.autocast():
+                hidden, probe = self._student_hidden(model, input_ids, attention)
+            self._student_hidden.check(model, hidden, probe)
+            weight, bias = head(model)
+            student = dict(hidden=hidden[:, :-1][keep], weight=weight, bias=bias,
+                           logit_scale=self._student_hidden.scale,
+                           softcap=self._student_hidden.softcap)
+            if self.store is None:
                 student.update(teacher_logit_scale=self._teacher_hidden.scale,
                                teacher_softcap=self._teacher_hidden.softcap)
 
             def loss(settings, **extra):
                 return _fused(student, teacher, settings, {**common, **extra})
         else:
+            if self.store is None:
+                with torch.no_grad(), self.accelerator.autocast():
+                    teacher = self.teacher(input_ids=input_ids, attention_mask=attention,
+                                           use_cache=False).logits[:, :-1]
+                self._check_teacher(nonfinite_rows(teacher, logits=True), keep, inputs,
+                                    "its logits")
+                teacher = teacher[keep]
             with self.accelerator.autocast():
                 logits = model(input_ids=input_ids, attention_mask=attention,
                                use_cache=False).logits[:, :-1][keep]
-                if self.store is None:
-                    with torch.no_grad():
-                        teacher = self.teacher(input_ids=input_ids, attention_mask=attention,
-                                               use_cache=False).logits[:, :-1][keep]
 
             def loss(settings, **extra):
                 return _unfused(logits, teacher, settings, {**common, **extra})
@@ -232,8 +259,42 @@ class KDTrainer(Trainer):
             raise ValueError("a learned token has no stored teacher row (the store's sequence "
                              "is shorter than the tokens): the data and the store are "
                              "misaligned")
+        # a stored row's largest log-probability (the ghost's included) is NaN or +inf
+        top = torch.maximum(teacher.logprobs[:, :-1].amax(-1), teacher.rest_logprob[:, :-1])
+        self._check_teacher(torch.isnan(top) | (top == float("inf")), keep, inputs,
+                            "its stored log-probabilities")
         rows = (getattr(teacher, name)[:, :-1][keep] for name in _SPARSE)
         return SparseTeacher(*rows, teacher.temperature, teacher.vocab_size)
+
+    def _where(self, inputs, b: int) -> str:
+        """``step N, batch row b (sample id s)`` for error messages."""
+        when = (f"step {self.state.global_step + 1}" if self.model.training
+                else "evaluation")
+        ids = inputs.get("sample_ids")
+        sample = "" if not ids or ids[b] is None else f" (sample id {ids[b]!r})"
+        return f"{when}, batch row {b}{sample}"
+
+    def _check_ids(self, input_ids: torch.Tensor, inputs) -> None:
+        """Every token id is one the models embed (else a bare IndexError in the model)."""
+        bad = (input_ids < 0) | (input_ids >= self._id_limit)
+        if bool(bad.any()):
+            b, t = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{self._where(inputs, b)}, position {t}: token id "
+                             f"{int(input_ids[b, t])} is outside the vocabulary (the models "
+                             f"embed ids 0 to {self._id_limit - 1}; vocab_size "
+                             f"{self.vocab_size})")
+
+    def _check_teacher(self, bad: torch.Tensor, keep: torch.Tensor, inputs, what: str) -> None:
+        """Stop on a non-finite teacher row that the loss would use (``bad``, ``keep``: bool
+        ``[B, T - 1]``): a NaN target makes NaN gradients, and NaN weights after the step."""
+        bad = bad & keep
+        if bool(bad.any()):
+            b, t = (int(i) for i in bad.nonzero()[0])
+            raise NonFiniteError(
+                f"{self._where(inputs, b)}, position {t}: the teacher gave NaN or infinite "
+                f"values ({what}; {int(bad.sum())} row(s) of this batch). Training stopped "
+                f"before the optimizer step; check the teacher (its weights, its dtype's range) "
+                f"and this sample")
 
     # -- logging and evaluation ----------------------------------------------------------------
 
@@ -318,6 +379,77 @@ def _unfused(logits, teacher, settings, common: dict):
     return kl_loss(logits, teacher, temperature=temperature, **common)
 
 
+def check_setup(*, k, top_p, temperature, widths: dict[str, int], tokenizer=None, store=None,
+                teacher_tokenizer=None) -> int:
+    """What can be checked before any batch: the settings against the teacher (its store,
+    or the two models' output rows ``widths`` and their tokenizers). :class:`KDTrainer` runs
+    it at construction; ``topkd distill`` from the models' configs, before loading them.
+    Returns the vocabulary the distributions live on."""
+    if store is not None:
+        if k is not None and k != store.k:
+            raise ValueError(f"k={k} but the store {store.path} keeps k={store.k}")
+        if temperature is not None and temperature != store.temperature:
+            raise ValueError(f"temperature={temperature} but the store {store.path} was built "
+                             f"at temperature={store.temperature}")
+        _same_tokenizer(tokenizer, store.manifest.get("tokenizer_fingerprint"),
+                        f"the store {store.path}")
+        if widths["student"] < store.vocab_size:
+            raise ValueError(f"the student has {widths['student']} output rows, fewer than "
+                             f"the store's vocabulary {store.vocab_size}")
+        return store.vocab_size
+    if k is None and top_p is not None:
+        raise ValueError(f"top_p={top_p} needs k (the full-vocabulary loss keeps all)")
+    fingerprint = None
+    if teacher_tokenizer is not None:
+        from ..store import tokenizer_fingerprint
+
+        fingerprint = tokenizer_fingerprint(teacher_tokenizer)
+    _same_tokenizer(tokenizer, fingerprint, "the teacher's tokenizer")
+    vocab = vocabulary(tokenizer, widths)
+    if k is not None and k > vocab:
+        raise ValueError(f"k={k} is larger than the vocabulary ({vocab} tokens)")
+    return vocab
+
+
+def _first_item(dataset):
+    """The first item of a map-style dataset, or None (empty, iterable, unindexable)."""
+    try:
+        return dataset[0] if dataset is not None and len(dataset) else None
+    except (TypeError, KeyError, IndexError, NotImplementedError):
+        return None
+
+
+def _check_text_items(dataset, args: KDConfig, tokenizer) -> None:
+    """Refuse, at construction, text items with no tokenizer to make their ``input_ids``."""
+    item = _first_item(dataset)
+    if isinstance(item, Mapping) and "input_ids" not in item and args.text_field in item \
+            and tokenizer is None:
+        raise ValueError(f"the training items have a {args.text_field!r} field and no "
+                         f"'input_ids': pass processing_class=<the student's tokenizer> to "
+                         f"tokenize them (as topkd distill does), or tokenize the dataset")
+
+
+def _check_learnable(dataset, collator) -> None:
+    """Refuse a map-style training set in which no item has a token to learn (every label
+    -100 past the first position, or one token per item): training it would log a loss of 0
+    and change nothing. The scan stops at the first item that has one."""
+    try:
+        size = len(dataset)
+    except TypeError:  # an iterable dataset: the per-step warning covers it
+        return
+    drop = ("teacher", "sample_id")  # the tokens and labels alone: no store reads
+    for index in range(size):
+        item = dataset[index]
+        if isinstance(item, Mapping):
+            item = {key: value for key, value in item.items() if key not in drop}
+        batch = collator([item])
+        if bool((batch["labels"][:, 1:] != -100).any()):
+            return
+    raise ValueError(f"the training set has nothing to learn: none of its {size} items has a "
+                     f"label past its first token (every label is -100, or each item has one "
+                     f"token)")
+
+
 def _open_store(store):
     from ..store import TeacherStore
 
@@ -345,4 +477,4 @@ def _same_tokenizer(tokenizer, fingerprint: str | None, what: str) -> None:
                          f"would pair unrelated tokens")
 
 
-__all__ = ["KDConfig", "KDTrainer"]
+__all__ = ["KDConfig", "KDTrainer", "NonFiniteError", "check_setup"]

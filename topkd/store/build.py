@@ -437,16 +437,26 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
             "seconds": time.perf_counter() - start, "rank": rank, "world_size": world}
 
 
+def encode_texts(tokenizer, texts: list[str], max_length: int | None) -> list[list[int]]:
+    """Token ids of ``texts`` as every topkd entry point makes them (the store's build,
+    ``topkd distill``, :class:`~topkd.hf.KDCollator`): the tokenizer's special tokens added,
+    truncated to ``max_length``. Stores are read by the hash of these ids, so one function
+    makes them everywhere."""
+    if not texts:
+        return []
+    encoded = tokenizer(list(texts), truncation=max_length is not None,
+                        max_length=max_length)["input_ids"]
+    return [list(seq) for seq in encoded]
+
+
 def _tokenize(batch, tokenizer, max_length, embeddings) -> list[list[int]]:
     """Token ids of a batch of samples: texts tokenized together (truncated to
     ``max_length``), given ids checked and truncated."""
     texts = [(i, s[2]) for i, s in enumerate(batch) if s[3] is None]
     ids: list = [s[3] for s in batch]
-    if texts:
-        encoded = tokenizer([t for _, t in texts], truncation=max_length is not None,
-                            max_length=max_length)["input_ids"]
-        for (i, _), seq in zip(texts, encoded, strict=True):
-            ids[i] = list(seq)
+    encoded = encode_texts(tokenizer, [t for _, t in texts], max_length)
+    for (i, _), seq in zip(texts, encoded, strict=True):
+        ids[i] = seq
     for (where, sample_id, _, _), seq in zip(batch, ids, strict=True):
         t = torch.tensor(seq, dtype=torch.int64)
         bad = t[(t < 0) | (t >= embeddings)]
