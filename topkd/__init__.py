@@ -2,8 +2,10 @@
 
 from .divergences import JSD, KL, TVD, Divergence, ReverseKL, SkewKL, SkewReverseKL
 from .engine import LossParts
+from .entry import distill_loss
 from .fused import FusedLogitsKLLoss, FusedTopKLogitsKLLoss, fused_kl_loss, fused_topk_kl_loss
 from .losses import LogitsKLLoss, TopKLogitsKLLoss, kl_loss, sparse_kl_loss, topk_kl_loss
+from .options import KDOptions
 from .select import select_topk
 from .teacher import SparseTeacher
 
@@ -13,6 +15,7 @@ __all__ = [
     "TVD",
     "Divergence",
     "FusedLogitsKLLoss",
+    "KDOptions",
     "FusedTopKLogitsKLLoss",
     "LogitsKLLoss",
     "LossParts",
@@ -21,6 +24,7 @@ __all__ = [
     "SkewReverseKL",
     "SparseTeacher",
     "TopKLogitsKLLoss",
+    "distill_loss",
     "fused_kl_loss",
     "fused_topk_kl_loss",
     "kl_loss",

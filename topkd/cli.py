@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
+
+from . import divergences
+from ._args import float_in as _float_in
+from ._args import int_at_least as _int_at_least
+from .options import IMPLS
 
 EPILOG_BUILD = """\
 data formats (by file name):
@@ -28,37 +32,6 @@ data formats (by file name):
 A rerun with the same --out resumes: samples already stored are skipped. Under torchrun
 (WORLD_SIZE > 1) rank r takes samples i with i % WORLD_SIZE == r and writes its own shards.
 """
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def _float_in(name: str, low: float, high: float | None, low_open: bool = True):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        above = value > low if low_open else value >= low
-        if not math.isfinite(value) or not above or (high is not None and value > high):
-            bound = (f"{'(' if low_open else '['}{low}, {high}]" if high is not None
-                     else f"{'>' if low_open else '>='} {low}")
-            raise argparse.ArgumentTypeError(f"{name} must be in {bound}, got {text}")
-        return value
-
-    parse.__name__ = "float"
-    return parse
 
 
 def build_parser(argv=None) -> argparse.ArgumentParser:
@@ -295,7 +268,6 @@ order, and ends where an uninterrupted run ends.
 Under torchrun every rank runs this command (DDP; gloo on CPU, NCCL on CUDA).
 """
 
-DIVERGENCES = ("kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
 
 
 def _add_distill(commands) -> None:
@@ -323,8 +295,12 @@ def _add_distill(commands) -> None:
                    help="also cut the teacher's top-k at top-p mass (online, with --k)")
     p.add_argument("--temperature", type=_float_in("--temperature", 0.0, None), metavar="T",
                    help="distillation temperature (default 1 online, the store's offline)")
-    p.add_argument("--divergence", choices=DIVERGENCES, default="kl",
-                   help="default kl: KL(teacher || student)")
+    p.add_argument("--divergence", choices=divergences.names(), default="kl",
+                   help="a registered divergence (topkd.divergences.register); default kl: "
+                   "KL(teacher || student)")
+    p.add_argument("--impl", choices=IMPLS, default="auto",
+                   help="the loss kernels (default auto: compiled where the platform builds "
+                   "them; eager skips compiling)")
     p.add_argument("--beta", type=_float_in("--beta", 0.0, 1.0, low_open=False),
                    help="JSD's mixture weight (with --divergence jsd; default 0.5)")
     p.add_argument("--alpha", type=_float_in("--alpha", 0.0, 1.0, low_open=False),
@@ -420,7 +396,7 @@ def _distill(parser, args) -> int:
             args.student, args.data, args.out,
             teacher=args.teacher, store=args.store,
             eval_data=args.eval_data, k=args.k, top_p=args.top_p,
-            temperature=args.temperature, divergence=args.divergence,
+            temperature=args.temperature, divergence=args.divergence, impl=args.impl,
             beta=0.5 if args.beta is None else args.beta,
             alpha=0.1 if args.alpha is None else args.alpha, kd_weight=args.kd_weight,
             ce_weight=args.ce_weight, max_steps=args.max_steps,

@@ -339,6 +339,24 @@ class TVD(Divergence):
 _NAMES = {cls.name: cls for cls in (KL, ReverseKL, JSD, SkewKL, SkewReverseKL, TVD)}
 
 
+def register(name: str, factory) -> None:
+    """Make ``divergence=name`` mean ``factory()`` everywhere a name is taken: the losses,
+    ``KDConfig``, ``topkd distill --divergence`` (register before ``topkd.cli.main()``).
+    ``factory``: a :class:`Divergence` subclass or any callable returning one."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable (a Divergence class), got {factory!r}")
+    if name in _NAMES and _NAMES[name] is not factory:
+        raise ValueError(f"divergence {name!r} is registered already ({_NAMES[name]!r})")
+    _NAMES[name] = factory
+
+
+def names() -> list[str]:
+    """The registered divergence names, sorted."""
+    return sorted(_NAMES)
+
+
 def resolve(divergence, reverse: bool = False) -> Divergence:
     """The divergence object for ``divergence=`` (a name, an object) and the legacy
     ``reverse=True`` (``"reverse_kl"``; an error with any other divergence)."""
@@ -348,7 +366,10 @@ def resolve(divergence, reverse: bool = False) -> Divergence:
         if divergence not in _NAMES:
             raise ValueError(f"divergence must be one of {sorted(_NAMES)} or a "
                              f"topkd.Divergence object, got {divergence!r}")
-        divergence = _NAMES[divergence]()
+        name, divergence = divergence, _NAMES[divergence]()
+        if not isinstance(divergence, Divergence):
+            raise TypeError(f"the factory registered as {name!r} returned "
+                            f"{type(divergence).__name__}, not a topkd.Divergence")
     elif not isinstance(divergence, Divergence):
         raise TypeError(f"divergence must be a name {sorted(_NAMES)} or a topkd.Divergence "
                         f"object, got {type(divergence).__name__}")

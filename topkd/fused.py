@@ -4,173 +4,32 @@
 chunk engine that the logits losses run, and its gradient goes straight into the hidden
 states', weight's and bias's gradients. The teacher can be logits, a :class:`SparseTeacher`,
 or its own ``(hidden, weight[, bias])``, whose logits are likewise made block by block under no
-grad. Logit scale and softcap (Gemma, Cohere) apply to the products, as in the model.
+grad. Logit scale and softcap (Gemma, Cohere) apply to the products, as in the model. Each
+function is :func:`topkd.distill_loss` with a student ``(hidden, weight, bias)``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from . import _checks, parallel, sources
-from .engine import Call, Config, path_class
-from .losses import (
-    KL_OPTIONS,
-    TOPK_OPTIONS,
-    check_options,
-    common_checks,
-    objective,
-    run,
-    sparse_tensors,
-)
-from .select import select_rows
-from .sources import (
-    MIN_CHUNK_BYTES,
-    BlockedRows,
-    LinearRows,
-    Rows,
-    budget_bytes,
-    chunk_rows,
-    least_rows,
-    product_dtype,
-)
+from .entry import distill_loss
+from .options import FUSED_KL_OPTIONS, FUSED_TOPK_OPTIONS, KDOptions, keywords
 from .teacher import SparseTeacher
 
 
-class _AllReduceGradient(torch.autograd.Function):
-    """Identity forward; SUM all-reduce of the gradient in backward (Megatron's
-    ``copy_to_tensor_model_parallel_region``)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+def _teacher_k(options: KDOptions, teacher) -> KDOptions:
+    """``k`` is required unless the teacher is a :class:`SparseTeacher` (which has its own)."""
+    if options.k is None and not isinstance(teacher, SparseTeacher):
+        raise ValueError("k is required when the teacher is given as logits or as "
+                         "(hidden, weight[, bias])")
+    return options
 
 
-def _one_pass(tensors, reduction) -> bool:
-    return (reduction != "none" and torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in tensors))
-
-
-# The fused losses make the logits with one matrix product per block of rows and stage the
-# logits gradient for the products that make the hidden states' and weight's gradients (see
-# BlockedRows, LinearGradient); those products run near full speed from ~100 rows. By default
-# the blocks and the float32 work chunks share a fifth of the bytes the logits would take (at
-# most 512 MiB): 80% for the blocks, 20% for the work chunks. A teacher given as (hidden,
-# weight) gets blocks a quarter as tall as the student's: its blocks only feed its own
-# product, while the student's also set how often the weight's float32 accumulator is read
-# and written (once per block), which costs more than a shorter teacher product.
-_FUSED_CHUNK_BYTES = 512 * 2**20
-_FUSED_FRACTION = 5
-_TEACHER_BLOCK_DIVISOR = 4
-
-
-def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks, compiled=False,
-            workspace=0):
-    """``(work chunk rows, student block rows, teacher block rows)``, the teacher's only with
-    ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the engine
-    combines statistics per chunk, so every rank must cut the same chunks. One-pass losses
-    stage the student's gradient in its own blocks; the two-pass ones hold a stage of that many
-    rows but no student block. ``workspace``: what a matrix product allocates while it runs
-    (:func:`~topkd.sources.gemm_workspace`), taken from the default budget so that the peak,
-    products included, stays within it."""
-    width = shard.widest + 1
-    total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // 5
-    if total is None:
-        # By default at least 1 MiB, all of it for the work chunks if need be: at small shapes
-        # the per-chunk overhead, not the products' speed or the memory, is what counts;
-        # less where the products' workspace takes some of it.
-        total = min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION)
-        total = max(total, MIN_CHUNK_BYTES) - workspace
-        work = max(total // 5, min(MIN_CHUNK_BYTES, total))
-    row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
-    per = least_rows(chunk_rows(work, width, rows, element, buffers=buffers), compiled)
-    # The blocks get what the work chunks leave (at least 4/5, unless a chunk had to be made
-    # taller than its fifth), in whole chunks: a block starts at a chunk, so a remainder would
-    # be made again.
-    rest = max(0, total - per * 4 * width * buffers)
-    block = max(per, int(rest // row_bytes) // per * per)
-    teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
-    return per, block, teacher_block
-
-
-def _check_linear(prefix: str, hidden, weight, bias) -> None:
-    """``hidden [..., H]``, ``weight [V_r, H]``, ``bias [V_r]`` or None; float dtypes that
-    :func:`~topkd.sources.product_dtype` can combine."""
-    _checks.logits(f"{prefix}hidden", hidden)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"{prefix}weight must be a 2-D tensor [V_r, H], got "
-                         f"{getattr(weight, 'shape', type(weight).__name__)}")
-    _checks.logits(f"{prefix}weight", weight)
-    if hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{prefix}hidden width {hidden.shape[-1]} differs from {prefix}weight "
-                         f"width {weight.shape[1]} (weight is [V_r, H] = {tuple(weight.shape)})")
-    if bias is not None and (not isinstance(bias, torch.Tensor)
-                             or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"{prefix}bias must be a tensor of shape ({weight.shape[0]},), got "
-                         f"{getattr(bias, 'shape', type(bias).__name__)}")
-    if bias is not None:
-        _checks.logits(f"{prefix}bias", bias)
-    try:
-        product_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
-    except TypeError as e:
-        raise TypeError(f"{prefix}hidden, {prefix}weight and {prefix}bias: {e}") from None
-
-
-def _teacher_source(teacher, lead_shape):
-    """``(tensors by name, width)`` of a teacher given as logits or ``(hidden, weight[,
-    bias])``."""
-    if isinstance(teacher, torch.Tensor):
-        _checks.logits("teacher logits", teacher)
-        _checks.same_leading("hidden", lead_shape, "teacher logits", teacher.shape[:-1])
-        return {"teacher": teacher.detach()}, teacher.shape[-1]
-    if isinstance(teacher, tuple) and len(teacher) in (2, 3):
-        hidden, weight, bias = (*teacher, None)[:3]
-        _check_linear("teacher ", hidden, weight, bias)
-        _checks.same_leading("hidden", lead_shape, "teacher hidden", hidden.shape[:-1])
-        names = ("teacher_hidden", "teacher_weight", "teacher_bias")
-        tensors = (None if t is None else t.detach() for t in (hidden, weight, bias))
-        return dict(zip(names, tensors, strict=True)), weight.shape[0]
-    raise TypeError(
-        "teacher must be teacher logits [..., V_r], a topkd.SparseTeacher (fused_topk_kl_loss "
-        f"only) or a tuple (teacher_hidden, teacher_weight[, teacher_bias]), got "
-        f"{type(teacher).__name__}" + (f" of length {len(teacher)}" if isinstance(teacher, tuple)
-                                       else "")
-    )
-
-
-def _student(hidden, weight, bias, process_group, reduce_hidden_grad) -> dict:
-    _check_linear("", hidden, weight, bias)
-    if reduce_hidden_grad and process_group is not None:
-        hidden = _AllReduceGradient.apply(hidden, process_group)
-    return {"hidden": hidden, "weight": weight, "bias": bias}
-
-
-def _transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap) -> dict:
-    return {"logit_scale": _checks.scale("logit_scale", logit_scale),
-            "softcap": _checks.softcap("softcap", softcap),
-            "teacher_logit_scale": _checks.scale("teacher_logit_scale", teacher_logit_scale),
-            "teacher_softcap": _checks.softcap("teacher_softcap", teacher_softcap)}
-
-
-def _config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels, sparse,
-            teacher_blocks) -> Config:
-    cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
-    # the work chunks' fifth of the budget over at least three float32 buffers (issue 3's
-    # measured split): the one-pass loop's temporaries live beside the chunk
-    buffers = max(3, path_class(cfg, sparse).buffers(cfg, labels))
-    dtype = product_dtype(hidden.dtype, weight.dtype)
-    per, block, teacher_block = _budget(chunk_bytes, shard, n, dtype.itemsize, buffers,
-                                        teacher_blocks, cfg.compiled,
-                                        sources.gemm_workspace(dtype, hidden.device))
-    return Config(**{**cfg.__dict__, "rows_per_chunk": per, "block_rows": block,
-                     "teacher_block_rows": teacher_block})
+def _full_teacher(teacher) -> None:
+    if isinstance(teacher, SparseTeacher):
+        raise TypeError("fused_kl_loss needs the whole teacher distribution: teacher logits "
+                        "or (hidden, weight[, bias]); use fused_topk_kl_loss for a "
+                        "SparseTeacher")
 
 
 def fused_topk_kl_loss(
@@ -239,75 +98,9 @@ def fused_topk_kl_loss(
         hidden rows are written once, the weight's and bias's gradients are accumulated in a
         float32 buffer of their shape and returned in their dtype. No ``T**2`` factor.
     """
-    common_checks(hidden, mask, reduction, chunk_bytes, name="hidden")
-    _checks.choice("normalize", normalize, _checks.NORMALIZE)
-    top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
-    lead = hidden.shape[:-1]
-    student = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
-    transforms = _transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap)
-    fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
-                               lead, hidden.device, impl)
-    fields.update(transforms, normalize=normalize)
-    n = lead.numel()
-    one_pass = _one_pass(student.values(), reduction)
-    if isinstance(teacher, SparseTeacher):
-        if k is not None and k != teacher.k:
-            raise ValueError(f"k={k} differs from the SparseTeacher's K={teacher.k}")
-        if top_p is not None:
-            raise ValueError("top_p applies when selecting; this SparseTeacher is already "
-                             "selected (pass top_p to select_topk)")
-        _checks.teacher_temperature(temperature, teacher)
-        _checks.same_leading("hidden", lead, "teacher", teacher.indices.shape[:-1])
-        mask = _checks.teacher_mask(mask, teacher, lead)
-        shards = parallel.exchange_shards(process_group, {"student": weight.shape[0]}, n,
-                                          hidden.device)
-        vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total))
-        _checks.teacher_vocab(vocab, teacher, f"weight rows {shards['student'].total}")
-        fields["temperature"] = teacher.temperature
-    else:
-        named, width = _teacher_source(teacher, lead)
-        if k is None:
-            raise ValueError("k is required when the teacher is given as logits or as "
-                             "(hidden, weight[, bias])")
-        fields["temperature"] = _checks.temperature(1.0 if temperature is None else temperature)
-        widths = {"student": weight.shape[0], "teacher": width}
-        shards = parallel.exchange_shards(process_group, widths, n, hidden.device)
-        vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
-                                   ("teacher width", shards["teacher"].total))
-        k = _checks.integer("k", k, 1, vocab)
-    _checks.label_range(labels, fields["ignore_index"], vocab)
-    cfg = _config(fields, shards["student"], vocab, process_group, chunk_bytes, n, hidden,
-                  weight, labels, True, isinstance(teacher, tuple))
-    teacher_rows = None
-    if isinstance(teacher, SparseTeacher):
-        teacher_tensors = sparse_tensors(teacher, n)
-    else:
-        teacher_source = Rows(named["teacher"]) if "teacher" in named else LinearRows(
-            named["teacher_hidden"], named["teacher_weight"], named["teacher_bias"])
-        # One budget for the whole call (the chunks' own row counts would shrink it).
-        teacher_bytes = budget_bytes(chunk_bytes, n, shards["teacher"].width,
-                                     teacher_source.element_size)
-
-        def select(source):
-            return select_rows(source, k, top_p, top_p_min_k, cfg.temperature, vocab,
-                               shards["teacher"], process_group, teacher_bytes,
-                               budget_factor=1, logit_scale=cfg.teacher_logit_scale,
-                               softcap=cfg.teacher_softcap, compiled=cfg.compiled)
-
-        if one_pass:  # the [rows, K] targets exist one chunk at a time
-            teacher_tensors = dict.fromkeys(("indices", "logprobs", "rest"))
-            if isinstance(teacher_source, LinearRows):
-                teacher_source = BlockedRows(teacher_source, cfg.teacher_block_rows)
-
-            def teacher_rows(start, stop):
-                return select(teacher_source.rows(start, stop))
-        else:
-            teacher_tensors = sparse_tensors(select(teacher_source), n)
-    call = Call(cfg, sparse=True, student=("hidden", "weight", "bias"),
-                teacher=("indices", "logprobs", "rest"), count=n)
-    return run(call, {**student, **teacher_tensors}, mask=mask, reduction=reduction,
-               lead_shape=lead, labels=labels, teacher_rows=teacher_rows, one_pass=one_pass,
-               return_components=return_components)
+    options = KDOptions(**keywords(locals(), "hidden", "weight", "teacher", "bias"))
+    return distill_loss((hidden, weight, bias), teacher, _teacher_k(options, teacher), mask=mask,
+                        labels=labels)
 
 
 def fused_kl_loss(
@@ -344,64 +137,39 @@ def fused_kl_loss(
     ``None`` = 1.0. Everything else as in :func:`fused_topk_kl_loss` and :func:`topkd.kl_loss`.
     No ``T**2`` factor.
     """
-    common_checks(hidden, mask, reduction, chunk_bytes, name="hidden")
-    lead = hidden.shape[:-1]
-    student = _student(hidden, weight, bias, process_group, reduce_hidden_grad)
-    fields, labels = objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight,
-                               lead, hidden.device, impl)
-    fields.update(_transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap))
-    fields["temperature"] = _checks.temperature(1.0 if temperature is None else temperature)
-    if isinstance(teacher, SparseTeacher):
-        raise TypeError("fused_kl_loss needs the whole teacher distribution: teacher logits "
-                        "or (hidden, weight[, bias]); use fused_topk_kl_loss for a "
-                        "SparseTeacher")
-    named, width = _teacher_source(teacher, lead)
-    n = lead.numel()
-    widths = {"student": weight.shape[0], "teacher": width}
-    shards = parallel.exchange_shards(process_group, widths, n, hidden.device)
-    vocab = _checks.vocab_size(vocab_size, ("weight rows", shards["student"].total),
-                               ("teacher width", shards["teacher"].total))
-    _checks.aligned(shards, vocab)
-    _checks.label_range(labels, fields["ignore_index"], vocab)
-    cfg = _config(fields, shards["student"], vocab, process_group, chunk_bytes, n, hidden,
-                  weight, labels, False, "teacher" not in named)
-    call = Call(cfg, sparse=False, student=("hidden", "weight", "bias"), teacher=tuple(named),
-                count=n)
-    return run(call, {**student, **named}, mask=mask, reduction=reduction, lead_shape=lead,
-               labels=labels, one_pass=_one_pass(student.values(), reduction),
-               return_components=return_components)
-
-
-_FUSED_OPTIONS = {"reduce_hidden_grad", "logit_scale", "softcap", "teacher_logit_scale",
-                  "teacher_softcap"}
+    _full_teacher(teacher)
+    options = KDOptions(**keywords(locals(), "hidden", "weight", "teacher", "bias"))
+    return distill_loss((hidden, weight, bias), teacher, options, mask=mask, labels=labels)
 
 
 class FusedTopKLogitsKLLoss(torch.nn.Module):
-    """Module form of :func:`fused_topk_kl_loss`: holds ``k`` and the options; called as
-    ``loss_fn(hidden, weight, teacher, bias=None, mask=None, labels=None)``."""
+    """Module form of :func:`fused_topk_kl_loss`: holds ``k`` and the options as one
+    :class:`~topkd.KDOptions`; called as ``loss_fn(hidden, weight, teacher, bias=None,
+    mask=None, labels=None)``."""
 
     def __init__(self, k: int | None = None, **options):
         super().__init__()
-        if k is not None:
-            _checks.integer("k", k, 1)
-        check_options(options, TOPK_OPTIONS | _FUSED_OPTIONS)
-        self.k = k
-        self.options = options
+        self.options = KDOptions.of(options, allowed=FUSED_TOPK_OPTIONS, k=k)
+
+    @property
+    def k(self) -> int | None:
+        return self.options.k
 
     def forward(self, hidden, weight, teacher, bias=None, mask=None, labels=None):
-        return fused_topk_kl_loss(hidden, weight, teacher, self.k, bias=bias, mask=mask,
-                                  labels=labels, **self.options)
+        return distill_loss((hidden, weight, bias), teacher, _teacher_k(self.options, teacher),
+                            mask=mask, labels=labels)
 
 
 class FusedLogitsKLLoss(torch.nn.Module):
-    """Module form of :func:`fused_kl_loss`: holds the options; called as
-    ``loss_fn(hidden, weight, teacher, bias=None, mask=None, labels=None)``."""
+    """Module form of :func:`fused_kl_loss`: holds the options as one
+    :class:`~topkd.KDOptions`; called as ``loss_fn(hidden, weight, teacher, bias=None,
+    mask=None, labels=None)``."""
 
     def __init__(self, **options):
         super().__init__()
-        check_options(options, KL_OPTIONS | _FUSED_OPTIONS)
-        self.options = options
+        self.options = KDOptions.of(options, allowed=FUSED_KL_OPTIONS)
 
     def forward(self, hidden, weight, teacher, bias=None, mask=None, labels=None):
-        return fused_kl_loss(hidden, weight, teacher, bias=bias, mask=mask, labels=labels,
-                             **self.options)
+        _full_teacher(teacher)
+        return distill_loss((hidden, weight, bias), teacher, self.options, mask=mask,
+                            labels=labels)

@@ -272,7 +272,6 @@ def run_demo(*, steps: int = STEPS, teacher_steps: int | None = None, seed: int 
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="topkd-demo-"))
-        stack.enter_context(_eager_kernels())
         if threads is not None:
             stack.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(threads)
@@ -329,18 +328,10 @@ def _save(out: str, teacher, student, corpus: torch.Tensor, held_out: torch.Tens
                 f.write(json.dumps({"id": i, "input_ids": tokens}) + "\n")
 
 
-@contextlib.contextmanager
-def _eager_kernels():
-    """topkd's eager kernels for the demo, unless ``$TOPKD_IMPL`` chooses: compiling costs
-    seconds per loss configuration on a CPU, more than the demo's small batches repay."""
-    if os.environ.get(IMPL_ENV):
-        yield
-        return
-    os.environ[IMPL_ENV] = "eager"
-    try:
-        yield
-    finally:
-        os.environ.pop(IMPL_ENV, None)
+def _impl() -> str:
+    """The demo's kernels: eager unless ``$TOPKD_IMPL`` chooses (compiling costs seconds per
+    loss configuration on a CPU, more than the demo's small batches repay)."""
+    return "auto" if os.environ.get(IMPL_ENV) else "eager"
 
 
 def _device() -> torch.device:
@@ -415,7 +406,7 @@ def _build_store(teacher, train: list[dict], path: str, progress: bool) -> int:
         for first in range(0, len(train), EVAL_BATCH):
             items = train[first:first + EVAL_BATCH]
             tokens = torch.stack([item["input_ids"] for item in items])
-            rows = select_topk(teacher(input_ids=tokens.to(device)).logits, K)
+            rows = select_topk(teacher(input_ids=tokens.to(device)).logits, K, impl=_impl())
             rows = SparseTeacher(rows.indices.cpu(), rows.logprobs.cpu(),
                                  rows.rest_logprob.cpu(), rows.temperature, rows.vocab_size)
             for i, item in enumerate(items):
@@ -433,7 +424,7 @@ def _config(output_dir: str, **fields):
     return KDConfig(output_dir=output_dir, per_device_train_batch_size=STUDENT_BATCH,
                     per_device_eval_batch_size=EVAL_BATCH, chunk_bytes=2**26,
                     report_to="none", disable_tqdm=True, logging_strategy="no",
-                    save_strategy="no", dataloader_num_workers=0,
+                    save_strategy="no", dataloader_num_workers=0, impl=_impl(),
                     use_cpu=_device().type == "cpu", **fields)
 
 
@@ -523,7 +514,7 @@ def _describe(sizes: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``topkd demo``'s options: ``--steps``, ``--teacher-steps``, ``--seed``, ``--out``,
     ``--quiet``."""
-    from ..cli import _int_at_least
+    from .._args import int_at_least as _int_at_least
 
     parser.add_argument("--steps", type=_int_at_least(1), default=STEPS, metavar="N",
                         help=f"training steps of each student (default {STEPS})")

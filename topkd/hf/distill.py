@@ -26,13 +26,13 @@ import torch
 SETTINGS_FILE = "topkd_distill.json"
 # settings a resumed run may change: they do not change what is trained
 RESUMABLE = ("save_steps", "save_total_limit", "logging_steps", "eval_data", "eval_steps",
-             "progress")
+             "progress", "impl")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: int | None = None,
             top_p: float | None = None, temperature: float | None = None,
-            divergence: str = "kl", beta: float = 0.5, alpha: float = 0.1,
+            divergence="kl", beta: float = 0.5, alpha: float = 0.1, impl: str = "auto",
             kd_weight: float = 1.0, ce_weight: float = 0.0, max_steps: int | None = None,
             epochs: float = 1.0, batch_size: int = 8, grad_accum: int = 1, lr: float = 5e-5,
             max_length: int | None = None, bf16: bool = False, teacher_dtype: str | None = None,
@@ -136,7 +136,7 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         "store": None if store is None else os.path.abspath(store),
         "eval_data": None if eval_data is None else os.path.abspath(eval_data),
         "k": k, "top_p": top_p, "temperature": temperature, "divergence": divergence,
-        "beta": beta, "alpha": alpha, "kd_weight": kd_weight, "ce_weight": ce_weight,
+        "impl": impl, "beta": beta, "alpha": alpha, "kd_weight": kd_weight, "ce_weight": ce_weight,
         "max_steps": max_steps, "epochs": None if max_steps is not None else epochs,
         "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr, "max_length": max_length,
         "bf16": bool(bf16), "teacher_dtype": None if store is not None else teacher_dtype,
@@ -182,7 +182,7 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
 
     config = KDConfig(
         output_dir=out, k=k, top_p=top_p, temperature=temperature, divergence=divergence,
-        beta=beta, alpha=alpha, kd_weight=kd_weight, ce_weight=ce_weight,
+        impl=impl, beta=beta, alpha=alpha, kd_weight=kd_weight, ce_weight=ce_weight,
         max_steps=-1 if max_steps is None else max_steps, num_train_epochs=epochs,
         per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,
         gradient_accumulation_steps=grad_accum, learning_rate=lr, bf16=bool(bf16), seed=seed,

@@ -7,7 +7,6 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -15,8 +14,8 @@ from transformers import Trainer, TrainingArguments
 from transformers.training_args import ParallelMode
 
 from .. import divergences
-from ..fused import fused_kl_loss, fused_topk_kl_loss
-from ..losses import kl_loss, sparse_kl_loss, topk_kl_loss
+from ..entry import distill_loss
+from ..options import KDOptions
 from ..teacher import SparseTeacher
 from .data import KDCollator
 from .models import (
@@ -37,8 +36,11 @@ class KDConfig(TrainingArguments):
 
     ``k=None`` distills over the full vocabulary; an int keeps the teacher's top ``k`` (and
     ``top_p``) per row plus the exact ghost bucket (``normalize``: see
-    :func:`topkd.topk_kl_loss`). ``divergence`` is a name (``"kl"``, ``"reverse_kl"``,
-    ``"jsd"`` with ``beta``, ``"skew_kl"`` / ``"skew_reverse_kl"`` with ``alpha``, ``"tvd"``).
+    :func:`topkd.topk_kl_loss`). ``divergence`` is a registered name (``"kl"``,
+    ``"reverse_kl"``, ``"jsd"`` with ``beta``, ``"skew_kl"`` / ``"skew_reverse_kl"`` with
+    ``alpha``, ``"tvd"``, or one added by :func:`topkd.divergences.register`) or a
+    :class:`topkd.Divergence` object. ``impl`` chooses the kernels (``"auto"``, ``"eager"``,
+    ``"compile"``; see :func:`topkd.topk_kl_loss`).
     The loss is ``kd_weight * KD + ce_weight * CE`` summed over the tokens learned and divided
     by their count over the whole optimizer step (all micro-batches, all ranks).
     ``remove_unused_columns`` defaults to False here: the teacher's keys must reach the batch.
@@ -49,8 +51,9 @@ class KDConfig(TrainingArguments):
     top_p: float | None = field(default=None, metadata={"help": "nucleus cut of the top-k"})
     temperature: float | None = field(default=None, metadata={
         "help": "distillation temperature (None: 1, or the store's)"})
-    divergence: str = field(default="kl", metadata={"help": "kl, reverse_kl, jsd, skew_kl, "
-                                                    "skew_reverse_kl or tvd"})
+    divergence: str = field(default="kl", metadata={
+        "help": "a registered name (kl, reverse_kl, jsd, skew_kl, skew_reverse_kl, tvd, ...) "
+                "or a topkd.Divergence object"})
     beta: float = field(default=0.5, metadata={"help": "JSD's mixture weight"})
     alpha: float = field(default=0.1, metadata={"help": "skew KL's mixture weight"})
     kd_weight: float = field(default=1.0, metadata={"help": "weight of the KD term"})
@@ -58,6 +61,8 @@ class KDConfig(TrainingArguments):
     normalize: str = field(default="full", metadata={"help": "full or topk"})
     fused: bool = field(default=True, metadata={"help": "never build the [B, T, V] logits"})
     chunk_bytes: int | None = field(default=None, metadata={"help": "the loss's work budget"})
+    impl: str = field(default="auto", metadata={"help": "the loss kernels: auto, eager or "
+                                                "compile"})
     text_field: str = field(default="text", metadata={
         "help": "items with this field and no input_ids are tokenized by processing_class"})
     max_length: int | None = field(default=None, metadata={
@@ -67,12 +72,30 @@ class KDConfig(TrainingArguments):
     def kd_divergence(self) -> divergences.Divergence:
         """The :class:`topkd.Divergence` these settings name."""
         name = self.divergence
+        if isinstance(name, divergences.Divergence):
+            return name
         if name == "jsd":
             return divergences.JSD(beta=self.beta)
         if name in ("skew_kl", "skew_reverse_kl"):
             cls = divergences.SkewKL if name == "skew_kl" else divergences.SkewReverseKL
             return cls(alpha=self.alpha)
         return divergences.resolve(name)
+
+    def kd_options(self) -> KDOptions:
+        """The loss options these settings give (checked: a ValueError or TypeError naming
+        the option). The trainer adds, per batch, what the models and the store decide."""
+        return KDOptions(k=self.k, top_p=self.top_p, temperature=self.temperature,
+                         divergence=self.kd_divergence(), kd_weight=self.kd_weight,
+                         ce_weight=self.ce_weight, normalize=self.normalize,
+                         chunk_bytes=self.chunk_bytes, impl=self.impl, reduction="sum",
+                         return_components=True)
+
+    def to_dict(self):
+        # a Divergence object is written by its repr (TrainingArguments' JSON and logs)
+        d = super().to_dict()
+        if isinstance(d.get("divergence"), divergences.Divergence):
+            d["divergence"] = repr(d["divergence"])
+        return d
 
 
 class KDTrainer(Trainer):
@@ -112,7 +135,7 @@ class KDTrainer(Trainer):
         if (teacher is None) == (store is None):
             raise ValueError("give exactly one of teacher= (online) and store= (offline), got "
                              f"teacher={type(teacher).__name__}, store={type(store).__name__}")
-        self.divergence = args.kd_divergence()
+        self.options = args.kd_options()
         if store is not None:
             store = _open_store(store)
         _check_text_items(kwargs.get("train_dataset"), args, processing_class)
@@ -197,10 +220,8 @@ class KDTrainer(Trainer):
         input_ids, attention = inputs["input_ids"], inputs.get("attention_mask")
         keep = inputs["labels"][:, 1:] != -100
         self._check_ids(input_ids, inputs)
-        common = dict(vocab_size=self.vocab_size, reduction="sum", chunk_bytes=args.chunk_bytes,
-                      return_components=True)
-        if ce_weight:
-            common.update(labels=inputs["labels"][:, 1:][keep], ce_weight=ce_weight)
+        options = self.options.replace(vocab_size=self.vocab_size, ce_weight=ce_weight)
+        labels = inputs["labels"][:, 1:][keep] if ce_weight else None
         if self.store is not None:
             teacher = self._stored(inputs, keep)
         if args.fused:
@@ -217,15 +238,12 @@ class KDTrainer(Trainer):
                 hidden, probe = self._student_hidden(model, input_ids, attention)
             self._student_hidden.check(model, hidden, probe)
             weight, bias = head(model)
-            student = dict(hidden=hidden[:, :-1][keep], weight=weight, bias=bias,
-                           logit_scale=self._student_hidden.scale,
-                           softcap=self._student_hidden.softcap)
+            student = (hidden[:, :-1][keep], weight, bias)
+            options = options.replace(logit_scale=self._student_hidden.scale,
+                                      softcap=self._student_hidden.softcap)
             if self.store is None:
-                student.update(teacher_logit_scale=self._teacher_hidden.scale,
-                               teacher_softcap=self._teacher_hidden.softcap)
-
-            def loss(settings, **extra):
-                return _fused(student, teacher, settings, {**common, **extra})
+                options = options.replace(teacher_logit_scale=self._teacher_hidden.scale,
+                                          teacher_softcap=self._teacher_hidden.softcap)
         else:
             if self.store is None:
                 with torch.no_grad(), self.accelerator.autocast():
@@ -235,17 +253,15 @@ class KDTrainer(Trainer):
                                     "its logits")
                 teacher = teacher[keep]
             with self.accelerator.autocast():
-                logits = model(input_ids=input_ids, attention_mask=attention,
-                               use_cache=False).logits[:, :-1][keep]
-
-            def loss(settings, **extra):
-                return _unfused(logits, teacher, settings, {**common, **extra})
-
-        result = loss(args, divergence=self.divergence, kd_weight=args.kd_weight)
+                student = model(input_ids=input_ids, attention_mask=attention,
+                                use_cache=False).logits[:, :-1][keep]
+        if isinstance(teacher, SparseTeacher):  # its K, top-p and temperature are its own
+            options = options.replace(k=None, top_p=None, temperature=None)
+        result = distill_loss(student, teacher, options, labels=labels)
         kl = None
         if eval_kl:
             with torch.no_grad():
-                kl = loss(_FULL_KL, divergence="kl", labels=None, ce_weight=0.0).kd
+                kl = distill_loss(student, teacher, _full_kl(options)).kd
         return _Parts(result.loss, result.kd, result.ce, int(keep.sum()), kl)
 
     def _stored(self, inputs, keep) -> SparseTeacher:
@@ -353,30 +369,11 @@ class _Parts:
     kl: torch.Tensor | None = None
 
 
-# evaluation's KL(teacher || student): the full vocabulary at temperature 1 (a store's rows:
-# their own temperature, the ghost bucket exact)
-_FULL_KL = SimpleNamespace(k=None, top_p=None, temperature=None, normalize="full")
-
-
-def _fused(student: dict, teacher, settings, common: dict):
-    if isinstance(teacher, SparseTeacher):
-        return fused_topk_kl_loss(teacher=teacher, normalize=settings.normalize, **student,
-                                  **common)
-    if settings.k is not None:
-        return fused_topk_kl_loss(teacher=teacher, k=settings.k, top_p=settings.top_p,
-                                  temperature=settings.temperature,
-                                  normalize=settings.normalize, **student, **common)
-    return fused_kl_loss(teacher=teacher, temperature=settings.temperature, **student, **common)
-
-
-def _unfused(logits, teacher, settings, common: dict):
-    if isinstance(teacher, SparseTeacher):
-        return sparse_kl_loss(logits, teacher, normalize=settings.normalize, **common)
-    temperature = 1.0 if settings.temperature is None else settings.temperature
-    if settings.k is not None:
-        return topk_kl_loss(logits, teacher, settings.k, top_p=settings.top_p,
-                            temperature=temperature, normalize=settings.normalize, **common)
-    return kl_loss(logits, teacher, temperature=temperature, **common)
+def _full_kl(options: KDOptions) -> KDOptions:
+    """Evaluation's KL(teacher || student): the full vocabulary at temperature 1 (a store's
+    rows: their own temperature, the ghost bucket exact)."""
+    return options.replace(k=None, top_p=None, temperature=None, normalize="full",
+                           divergence="kl", ce_weight=0.0, kd_weight=1.0)
 
 
 def check_setup(*, k, top_p, temperature, widths: dict[str, int], tokenizer=None, store=None,

@@ -15,10 +15,9 @@ import math
 
 import torch
 
-from .. import _checks
 from ..divergences import JSD
-from ..fused import fused_kl_loss, fused_topk_kl_loss
-from ..losses import TOPK_OPTIONS, check_options
+from ..entry import distill_loss
+from ..options import KDOptions
 from ..sources import chunk_rows, product_dtype, row_chunks
 
 _TRL_MODULE = "trl.trainer.distillation_trainer"
@@ -155,18 +154,14 @@ def divergence_loss(
     hidden = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]
     teacher_hidden = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]
     teacher = (teacher_hidden.detach(), teacher_weight, teacher_bias)
-    options = {"bias": student_bias, "temperature": temperature,
-               "divergence": JSD(beta=float(beta)), "reduction": "sum",
-               "chunk_bytes": chunk_bytes, "impl": impl,
-               "logit_scale": student_logit_scale,
-               "softcap": student_final_logit_softcapping,
-               "teacher_logit_scale": teacher_logit_scale,
-               "teacher_softcap": teacher_final_logit_softcapping}
-    if k is None:
-        total = fused_kl_loss(hidden, student_weight, teacher, **options)
-    else:
-        total = fused_topk_kl_loss(hidden, student_weight, teacher, k, top_p=top_p,
-                                   top_p_min_k=top_p_min_k, normalize=normalize, **options)
+    options = KDOptions(k=k, top_p=top_p, top_p_min_k=top_p_min_k, normalize=normalize,
+                        temperature=temperature, divergence=JSD(beta=float(beta)),
+                        reduction="sum", chunk_bytes=chunk_bytes, impl=impl,
+                        logit_scale=student_logit_scale,
+                        softcap=student_final_logit_softcapping,
+                        teacher_logit_scale=teacher_logit_scale,
+                        teacher_softcap=teacher_final_logit_softcapping)
+    total = distill_loss((hidden, student_weight, student_bias), teacher, options)
     if entropy:
         entropy_sum = student_entropy_sum(
             hidden.detach(), student_weight.detach(),
@@ -269,12 +264,9 @@ def use_in_trl(**options) -> TRLPatch:
     if unknown:
         raise TypeError(f"unknown use_in_trl options {sorted(unknown)}; allowed: "
                         f"{sorted(_OPTIONS)}")
-    loss_options = {n: v for n, v in options.items() if n not in ("k", "entropy")}
-    check_options(loss_options, TOPK_OPTIONS)
     if options.get("k") is None and _TOPK_ONLY & set(options):
         raise ValueError(f"{sorted(_TOPK_ONLY & set(options))} apply only with k (Top-K)")
-    if options.get("k") is not None:
-        _checks.integer("k", options["k"], 1)
+    KDOptions(**{n: v for n, v in options.items() if n != "entropy"})  # checked once, here
     if not isinstance(options.get("entropy", True), bool):
         raise TypeError(f"entropy must be a bool, got {options['entropy']!r}")
     module, version = _trl_module()

@@ -29,7 +29,9 @@ except ImportError as e:
     raise ImportError('topkd.integrations.megatron needs megatron-core: pip install '
                       '"topkd[megatron]"') from e
 
-from .. import _checks, losses, parallel
+from .. import _checks, parallel
+from ..entry import distill_loss
+from ..options import KDOptions, keywords
 from ..teacher import SparseTeacher
 
 
@@ -157,11 +159,11 @@ def check_widths(layout: VocabLayout, shards: dict, tp: int) -> None:
                 f"tensor-parallel ranks' {name} hold {shard.total} columns in all")
 
 
-def prepare(model_config, student_logits, teacher_logits,
-            vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor, object, int | None]:
-    """Checked ``(student [s, b, V_r], teacher [s, b, V_r], group, vocab_size)`` for a topkd
-    loss. The checks that need every rank's widths run on the same gathered numbers on all
-    ranks, so a bad input raises everywhere instead of leaving ranks in a collective."""
+def prepare(model_config, student_logits, teacher_logits, vocab_size: int | None):
+    """Checked ``(student [s, b, V_r], teacher [s, b, V_r], group, vocab_size, shards)`` for
+    :func:`topkd.distill_loss`. The checks that need every rank's widths run on the same
+    gathered numbers on all ranks (the loss's one exchange of them), so a bad input raises
+    everywhere instead of leaving ranks in a collective."""
     student = output_logits("student logits", student_logits)
     teacher = output_logits("teacher logits", teacher_logits)
     if student.shape[:2] != teacher.shape[:2]:
@@ -174,13 +176,25 @@ def prepare(model_config, student_logits, teacher_logits,
                                               "teacher logits": teacher.shape[-1]},
                                       student.shape[:2].numel(), student.device)
     check_widths(layout, shards, tensor_parallel_size(model_config))
-    return student, teacher, group, layout.vocab_size
+    return student, teacher, group, layout.vocab_size, _loss_shards(shards)
+
+
+def _loss_shards(shards: dict) -> dict:
+    """The shards named as :func:`topkd.distill_loss` takes them."""
+    return {name.split()[0]: shard for name, shard in shards.items()}
+
+
+def _sequence_loss(student, teacher, options: KDOptions, shards) -> torch.Tensor:
+    """The per-token loss ``[s, b]`` -> Megatron's ``[b, s]``, contiguous."""
+    loss = distill_loss(student, teacher, options, shards=shards)
+    return loss.transpose(0, 1).contiguous()
 
 
 # The options of the losses below (and of the Model-Optimizer criteria built on them): all of
 # topkd's but those the layout fixes (reduction, process_group) and the hard-label term
 # (Megatron computes its own language-model loss).
-KL_OPTIONS = {"temperature", "divergence", "reverse", "vocab_size", "chunk_bytes", "impl"}
+KL_OPTIONS = frozenset({"temperature", "divergence", "reverse", "vocab_size", "chunk_bytes",
+                        "impl"})
 TOPK_OPTIONS = KL_OPTIONS | {"top_p", "top_p_min_k", "normalize"}
 
 
@@ -220,13 +234,12 @@ def topk_kl_loss(
         float32 ``[b, s]``, contiguous, identical on every tensor-parallel rank; the student
         gradient on each rank is its shard of the single-process gradient.
     """
-    student, teacher, group, vocab = prepare(model_config, student_logits, teacher_logits,
-                                             vocab_size)
-    loss = losses.topk_kl_loss(student, teacher, k, top_p=top_p, top_p_min_k=top_p_min_k,
-                               temperature=temperature, divergence=divergence, reverse=reverse,
-                               normalize=normalize, vocab_size=vocab, process_group=group,
-                               chunk_bytes=chunk_bytes, impl=impl)
-    return loss.transpose(0, 1).contiguous()
+    options = keywords(locals(), "student_logits", "teacher_logits", "model_config")
+    _checks.integer("k", k, 1)
+    student, teacher, group, vocab, shards = prepare(model_config, student_logits,
+                                                     teacher_logits, vocab_size)
+    options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group})
+    return _sequence_loss(student, teacher, options, shards)
 
 
 def kl_loss(
@@ -243,12 +256,11 @@ def kl_loss(
 ) -> torch.Tensor:
     """:func:`topkd.kl_loss` (the whole vocabulary) in Megatron's layout; arguments and result
     as in :func:`topk_kl_loss`."""
-    student, teacher, group, vocab = prepare(model_config, student_logits, teacher_logits,
-                                             vocab_size)
-    loss = losses.kl_loss(student, teacher, temperature=temperature, divergence=divergence,
-                          reverse=reverse, vocab_size=vocab, process_group=group,
-                          chunk_bytes=chunk_bytes, impl=impl)
-    return loss.transpose(0, 1).contiguous()
+    options = keywords(locals(), "student_logits", "teacher_logits", "model_config")
+    student, teacher, group, vocab, shards = prepare(model_config, student_logits,
+                                                     teacher_logits, vocab_size)
+    options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group})
+    return _sequence_loss(student, teacher, options, shards)
 
 
 def sequence_first(teacher, seq_batch: tuple[int, int]) -> SparseTeacher:
@@ -301,6 +313,7 @@ def sparse_kl_loss(
         float32 ``[b, s]``, identical on every tensor-parallel rank; the student gradient on
         each rank is its shard of the single-process gradient. No ``T**2`` factor.
     """
+    options = keywords(locals(), "student_logits", "teacher", "model_config")
     student = output_logits("student logits", student_logits)
     teacher = sequence_first(teacher, student.shape[:2])
     check_sequence(model_config, "student logits", student.shape)
@@ -310,8 +323,5 @@ def sparse_kl_loss(
                                       student.shape[:2].numel(), student.device)
     check_widths(layout, shards, tensor_parallel_size(model_config))
     vocab = teacher.vocab_size if layout.vocab_size is None else layout.vocab_size
-    loss = losses.sparse_kl_loss(student, teacher, temperature=temperature,
-                                 divergence=divergence, reverse=reverse, normalize=normalize,
-                                 vocab_size=vocab, process_group=group, chunk_bytes=chunk_bytes,
-                                 impl=impl)
-    return loss.transpose(0, 1).contiguous()
+    options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group})
+    return _sequence_loss(student, teacher, options, _loss_shards(shards))

@@ -28,7 +28,10 @@ from types import MethodType
 import torch
 import torch.distributed as dist
 
-from .. import fused, parallel
+from .. import parallel
+from ..entry import distill_loss
+from ..fused import _teacher_k
+from ..options import KDOptions, keywords
 from ..teacher import SparseTeacher
 from . import megatron
 
@@ -118,9 +121,10 @@ def _teacher(teacher, seq_batch, tp):
 
 
 def _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel, vocab_size):
-    """``(hidden [s, b, H], reduce_hidden_grad, teacher, group, vocab_size)`` for
-    :mod:`topkd.fused`. Every check runs before the first gather, on this rank's shapes or on
-    numbers gathered from all ranks, so a bad input raises on every rank."""
+    """``(hidden [s, b, H], reduce_hidden_grad, teacher, group, vocab_size, shards)`` for
+    :func:`topkd.distill_loss`. Every check runs before the first gather, on this rank's shapes
+    or on numbers gathered from all ranks (the loss's one exchange of them), so a bad input
+    raises on every rank."""
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -149,10 +153,25 @@ def _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel, voc
         t_hidden = teacher.hidden.detach()
         teacher = (gather_sequence(t_hidden, group) if gather_teacher else t_hidden,
                    teacher.weight.detach(), None if teacher.bias is None else teacher.bias.detach())
+    shards = megatron._loss_shards(shards)
     if sequence_parallel:  # gathered along s; the gradient is reduce-scattered back
-        return gather_sequence(hidden, group), False, teacher, group, vocab
+        return gather_sequence(hidden, group), False, teacher, group, vocab, shards
     # replicated on every rank: the partial gradients of the vocabulary shards are summed
-    return hidden, group is not None, teacher, group, vocab
+    return hidden, group is not None, teacher, group, vocab, shards
+
+
+def _sequence_loss(weight, bias, options: dict, prepared) -> torch.Tensor:
+    """The fused loss of the prepared inputs, ``[b, s]`` contiguous."""
+    hidden, reduce_grad, teacher, group, vocab, shards = prepared
+    options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group,
+                           "reduce_hidden_grad": reduce_grad})
+    loss = distill_loss((hidden, weight, bias), teacher, _teacher_k(options, teacher),
+                        shards=shards)
+    return loss.transpose(0, 1).contiguous()
+
+
+# what the functions below take besides the loss options
+_INPUTS = ("hidden", "weight", "teacher", "bias", "model_config", "sequence_parallel")
 
 
 def fused_topk_kl_loss(
@@ -205,14 +224,10 @@ def fused_topk_kl_loss(
         The gradients of ``hidden``, ``weight`` and ``bias`` are those of the layer's own
         backward. No ``T**2`` factor.
     """
-    hidden, reduce_grad, teacher, group, vocab = _prepare(
-        model_config, hidden, weight, bias, teacher, sequence_parallel, vocab_size)
-    loss = fused.fused_topk_kl_loss(
-        hidden, weight, teacher, k, bias=bias, top_p=top_p, top_p_min_k=top_p_min_k,
-        temperature=temperature, divergence=divergence, reverse=reverse, normalize=normalize,
-        vocab_size=vocab, process_group=group, reduce_hidden_grad=reduce_grad,
-        chunk_bytes=chunk_bytes, impl=impl)
-    return loss.transpose(0, 1).contiguous()
+    options = keywords(locals(), *_INPUTS)
+    prepared = _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel,
+                        vocab_size)
+    return _sequence_loss(weight, bias, options, prepared)
 
 
 def fused_kl_loss(
@@ -233,17 +248,14 @@ def fused_kl_loss(
     """:func:`topkd.fused_kl_loss` (the whole vocabulary) of a Megatron output layer; the
     teacher is logits or an output layer's inputs (not a SparseTeacher); everything else as
     in :func:`fused_topk_kl_loss`."""
+    options = keywords(locals(), *_INPUTS)
     if isinstance(teacher, SparseTeacher):
         raise TypeError("fused_kl_loss needs the whole teacher distribution: teacher logits or "
                         "the teacher's output-layer inputs; use fused_topk_kl_loss for a "
                         "SparseTeacher")
-    hidden, reduce_grad, teacher, group, vocab = _prepare(
-        model_config, hidden, weight, bias, teacher, sequence_parallel, vocab_size)
-    loss = fused.fused_kl_loss(
-        hidden, weight, teacher, bias=bias, temperature=temperature, divergence=divergence,
-        reverse=reverse, vocab_size=vocab, process_group=group, reduce_hidden_grad=reduce_grad,
-        chunk_bytes=chunk_bytes, impl=impl)
-    return loss.transpose(0, 1).contiguous()
+    prepared = _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel,
+                        vocab_size)
+    return _sequence_loss(weight, bias, options, prepared)
 
 
 @torch.no_grad()

@@ -37,7 +37,10 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.loss import _Loss
 
-from .. import _checks, losses
+from .. import _checks
+from ..entry import distill_loss
+from ..options import KL_OPTIONS, TOPK_OPTIONS
+from .criteria import criterion_options
 
 _MEGATRON_CLASSES = ("LogitsKLLoss", "TopKLogitsKLLoss", "FusedLogitsKLLoss",
                      "FusedTopKLogitsKLLoss", "fuse_output_layers")
@@ -56,17 +59,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def check_criterion_options(options: dict, allowed: set[str], k: int | None = None) -> None:
-    """Options of a criterion, at construction: every value (ValueError or TypeError naming
-    the option), and ``k`` within ``vocab_size`` when both are given."""
-    losses.check_options(options, allowed)
-    vocab = options.get("vocab_size")
-    if vocab is not None:
-        vocab = _checks.integer("vocab_size", vocab, 1)
-    if k is not None:
-        _checks.integer("k", k, 1, vocab)
-
-
 def model_logits(name: str, output) -> torch.Tensor:
     """Logits given as a tensor, or as a model output carrying them (``output.logits``, as a
     Hugging Face model returns when the criterion is keyed on the whole model)."""
@@ -81,8 +73,8 @@ def model_logits(name: str, output) -> torch.Tensor:
 
 # Every topkd option but those the criterion owns (reduction, via _Loss) or that would change
 # the return type (return_components).
-_GENERIC_KL_OPTIONS = losses.KL_OPTIONS - {"reduction", "return_components"}
-_GENERIC_TOPK_OPTIONS = losses.TOPK_OPTIONS - {"reduction", "return_components"}
+_GENERIC_KL_OPTIONS = KL_OPTIONS - {"reduction", "return_components"}
+_GENERIC_TOPK_OPTIONS = TOPK_OPTIONS - {"reduction", "return_components"}
 
 
 class TopKLogitsKLCriterion(_Loss):
@@ -104,20 +96,20 @@ class TopKLogitsKLCriterion(_Loss):
 
     def __init__(self, k: int, *, reduction: str = "mean", **options):
         super().__init__(reduction=_checks.choice("reduction", reduction, _checks.REDUCTIONS))
-        check_criterion_options(options, _GENERIC_TOPK_OPTIONS, k)
-        self.k = k
-        self.options = options
+        _checks.integer("k", k, 1)
+        self.options = criterion_options(options, _GENERIC_TOPK_OPTIONS, k,
+                                         reduction=reduction)
+
+    @property
+    def k(self) -> int:
+        return self.options.k
 
     def forward(self, student_logits, teacher_logits, mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
-        return losses.topk_kl_loss(model_logits("student_logits", student_logits),
-                                   model_logits("teacher_logits", teacher_logits), self.k,
-                                   mask=mask, labels=labels, reduction=self.reduction,
-                                   **self.options)
+        return _criterion_loss(self, student_logits, teacher_logits, mask, labels)
 
     def extra_repr(self) -> str:
-        return ", ".join([f"k={self.k}", f"reduction={self.reduction!r}"]
-                         + [f"{n}={v!r}" for n, v in self.options.items()])
+        return ", ".join(f"{n}={v!r}" for n, v in self.options.given().items())
 
 
 class LogitsKLCriterion(_Loss):
@@ -127,15 +119,19 @@ class LogitsKLCriterion(_Loss):
 
     def __init__(self, *, reduction: str = "mean", **options):
         super().__init__(reduction=_checks.choice("reduction", reduction, _checks.REDUCTIONS))
-        check_criterion_options(options, _GENERIC_KL_OPTIONS)
-        self.options = options
+        self.options = criterion_options(options, _GENERIC_KL_OPTIONS, reduction=reduction)
 
     def forward(self, student_logits, teacher_logits, mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
-        return losses.kl_loss(model_logits("student_logits", student_logits),
-                              model_logits("teacher_logits", teacher_logits), mask=mask,
-                              labels=labels, reduction=self.reduction, **self.options)
+        return _criterion_loss(self, student_logits, teacher_logits, mask, labels)
 
     def extra_repr(self) -> str:
-        return ", ".join([f"reduction={self.reduction!r}"]
-                         + [f"{n}={v!r}" for n, v in self.options.items()])
+        return ", ".join(f"{n}={v!r}" for n, v in self.options.given().items())
+
+
+def _criterion_loss(criterion, student_logits, teacher_logits, mask, labels) -> torch.Tensor:
+    """A generic criterion's loss: the model outputs' logits, its options."""
+    teacher = model_logits("teacher_logits", teacher_logits)
+    _checks.logits("teacher_logits", teacher)
+    return distill_loss(model_logits("student_logits", student_logits), teacher,
+                        criterion.options, mask=mask, labels=labels)

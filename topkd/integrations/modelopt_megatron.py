@@ -14,7 +14,7 @@ except ImportError as e:
 
 from .. import _checks
 from . import megatron, megatron_fused
-from .modelopt import check_criterion_options
+from .criteria import criterion_options
 
 
 def topk_options(model_config, k, top_k, options: dict) -> int:
@@ -25,7 +25,7 @@ def topk_options(model_config, k, top_k, options: dict) -> int:
     k = top_k if k is None else k
     if k is None:
         raise TypeError("a Top-K criterion needs k= (the number of teacher entries kept)")
-    check_criterion_options(options, megatron.TOPK_OPTIONS)
+    criterion_options(options, megatron.TOPK_OPTIONS)
     layout = megatron.vocab_layout(model_config, options.get("vocab_size"))
     megatron.tensor_parallel_size(model_config)
     return _checks.integer("k", k, 1, layout.vocab_size)
@@ -33,7 +33,7 @@ def topk_options(model_config, k, top_k, options: dict) -> int:
 
 def kl_options(model_config, options: dict) -> None:
     """Checks the options of a whole-vocabulary criterion against the config."""
-    check_criterion_options(options, megatron.KL_OPTIONS)
+    criterion_options(options, megatron.KL_OPTIONS)
     megatron.vocab_layout(model_config, options.get("vocab_size"))
     megatron.tensor_parallel_size(model_config)
 

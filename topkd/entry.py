@@ -1,0 +1,441 @@
+"""The one entry point every loss runs through: :func:`distill_loss`.
+
+It takes the student (logits, or an LM head ``(hidden, weight[, bias])``), the teacher
+(logits, a :class:`~topkd.SparseTeacher`, or an LM head) and a :class:`~topkd.KDOptions`;
+checks the tensors against each other and against the options (before any collective: every
+rank sees the same gathered shapes, so a bad input raises on all ranks); learns this rank's
+vocabulary shard once; selects the teacher's top K where the options ask for it; and runs the
+chunk engine. The public functions of :mod:`topkd.losses` and :mod:`topkd.fused` are this
+function with their own keyword signatures.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _checks, compiled, parallel, sources
+from .engine import Call, Config, LossParts, RowLoss, ScalarLoss, path_class, row_chunk_count
+from .options import KDOptions
+from .select import select_rows
+from .sources import (
+    MIN_CHUNK_BYTES,
+    BlockedRows,
+    LinearRows,
+    Rows,
+    budget_bytes,
+    chunk_rows,
+    least_rows,
+    product_dtype,
+)
+from .teacher import SparseTeacher
+
+_SPARSE_NAMES = ("indices", "logprobs", "rest")
+_HEAD_NAMES = ("hidden", "weight", "bias")
+_TEACHER_HEAD_NAMES = ("teacher_hidden", "teacher_weight", "teacher_bias")
+
+
+def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | None = None,
+                 labels: torch.Tensor | None = None, shards: dict | None = None):
+    """``kd_weight * D(teacher || student) + ce_weight * CE``, reduced as ``options`` say.
+
+    Args:
+        student: logits ``[..., V_r]`` (float32/bfloat16/float16), or an LM head
+            ``(hidden [..., H], weight [V_r, H][, bias [V_r]])`` whose logits are made one
+            block of rows at a time and never held whole. With ``options.process_group``,
+            ``V_r`` is this rank's contiguous vocabulary shard.
+        teacher: logits ``[..., V_r]`` (the student's leading shape), a
+            :class:`~topkd.SparseTeacher`, or an LM head ``(hidden, weight[, bias])`` (with
+            an LM-head student only). Gets no gradient.
+        options: a :class:`~topkd.KDOptions`. ``options.k`` set (or a SparseTeacher): the
+            Top-K loss with the exact ghost bucket; ``k=None`` with a whole teacher: every
+            vocabulary entry.
+        mask: bool ``[...]``; rows where it is False contribute 0 and get zero gradient.
+        labels: int ``[...]`` token ids for the hard-label term (``options.ce_weight``).
+        shards: for an integration that has exchanged the shard widths already (to check them
+            against its own config first): ``{"student": Shard, "teacher": Shard}`` from
+            :func:`topkd.parallel.exchange_shards` with the same row count (``"teacher"``
+            omitted for a SparseTeacher). ``None``: exchanged here (one small all-gather).
+
+    Returns:
+        The float32 loss (``[...]`` for ``reduction="none"``, else a scalar), the same on
+        every rank, or ``LossParts(loss, kd, ce)`` with ``options.return_components``. The
+        student's gradients have its tensors' dtypes and shapes. Exact to float32 rounding;
+        no ``T**2`` factor.
+    """
+    if not isinstance(options, KDOptions):
+        raise TypeError(f"options must be a topkd.KDOptions, got {type(options).__name__}")
+    fused = isinstance(student, tuple)
+    if fused:
+        student_tensors, names = _student_head(student, options, mask)
+        x = student_tensors["hidden"]
+    else:
+        _checks.logits("student_logits", student)
+        _checks.mask(mask, student.shape[:-1])
+        student_tensors, x = {"logits": student}, student
+        names = {"student": "student_logits", "width": "student_logits",
+                 "teacher": "teacher_logits", "teacher_width": "teacher_logits"}
+        for name in ("reduce_hidden_grad",):
+            if getattr(options, name):
+                raise ValueError(f"{name}=True applies to a fused LM head, not to logits")
+    lead = x.shape[:-1]
+    if isinstance(teacher, SparseTeacher):
+        return _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels,
+                               shards)
+    if options.k is None:
+        if options.top_p is not None:
+            raise ValueError(f"top_p={options.top_p} needs k (the full-vocabulary loss keeps "
+                             f"every entry)")
+        if options.normalize != "full":
+            raise ValueError(f"normalize={options.normalize!r} needs k (the full-vocabulary "
+                             f"loss has no kept set to renormalize over)")
+    teacher_tensors, width = _teacher_input(teacher, lead, fused, names)
+    temperature = 1.0 if options.temperature is None else options.temperature
+    fields, labels = _objective(options, labels, lead, x.device)
+    fields["temperature"] = temperature
+    n = lead.numel()
+    widths = {"student": _width(student_tensors), "teacher": width}
+    shards = _exchange(options, widths, n, x.device, shards)
+    vocab = _checks.vocab_size(options.vocab_size,
+                               (names["width"], shards["student"].total),
+                               (names["teacher_width"], shards["teacher"].total))
+    if options.k is None:
+        _checks.aligned(shards, vocab)
+        _checks.label_range(labels, fields["ignore_index"], vocab)
+        cfg = _config(fields, options, shards["student"], vocab, n, student_tensors, labels,
+                      sparse=False, teacher_blocks=fused and "teacher" not in teacher_tensors)
+        call = Call(cfg, sparse=False, student=tuple(student_tensors),
+                    teacher=tuple(teacher_tensors), count=n)
+        return _run(call, {**student_tensors, **teacher_tensors}, options, mask=mask,
+                    lead_shape=lead, labels=labels,
+                    one_pass=fused and _one_pass(student_tensors.values(), options.reduction))
+    k = _checks.integer("k", options.k, 1, vocab)
+    _checks.label_range(labels, fields["ignore_index"], vocab)
+    cfg = _config(fields, options, shards["student"], vocab, n, student_tensors, labels,
+                  sparse=True, teacher_blocks=fused and "teacher" not in teacher_tensors)
+    source = (Rows(teacher_tensors["teacher"]) if "teacher" in teacher_tensors
+              else LinearRows(*teacher_tensors.values()))
+    if not fused:
+        teacher = select_rows(source, k, options.top_p, options.top_p_min_k, temperature, vocab,
+                              shards["teacher"], options.process_group, options.chunk_bytes,
+                              compiled=cfg.compiled)
+        return _run(_sparse_call(cfg, student_tensors, n),
+                    {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
+                    lead_shape=lead, labels=labels)
+    # One selection budget for the whole call (the chunks' own row counts would shrink it).
+    teacher_bytes = budget_bytes(options.chunk_bytes, n, shards["teacher"].width,
+                                 source.element_size)
+
+    def select(rows):
+        return select_rows(rows, k, options.top_p, options.top_p_min_k, temperature, vocab,
+                           shards["teacher"], options.process_group, teacher_bytes,
+                           budget_factor=1, logit_scale=cfg.teacher_logit_scale,
+                           softcap=cfg.teacher_softcap, compiled=cfg.compiled)
+
+    one_pass = _one_pass(student_tensors.values(), options.reduction)
+    teacher_rows = None
+    if one_pass:  # the [rows, K] targets exist one chunk at a time
+        teacher_tensors = dict.fromkeys(_SPARSE_NAMES)
+        if isinstance(source, LinearRows):
+            source = BlockedRows(source, cfg.teacher_block_rows)
+
+        def teacher_rows(start, stop):
+            return select(source.rows(start, stop))
+    else:
+        teacher_tensors = sparse_tensors(select(source), n)
+    return _run(_sparse_call(cfg, student_tensors, n), {**student_tensors, **teacher_tensors},
+                options, mask=mask, lead_shape=lead, labels=labels, teacher_rows=teacher_rows,
+                one_pass=one_pass)
+
+
+def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels, shards):
+    """The loss against a :class:`SparseTeacher` (its K, top-p and temperature are its own)."""
+    if options.k is not None and options.k != teacher.k:
+        raise ValueError(f"k={options.k} differs from the SparseTeacher's K={teacher.k}")
+    if options.top_p is not None:
+        raise ValueError("top_p applies when selecting; this SparseTeacher is already "
+                         "selected (pass top_p to select_topk)")
+    _checks.same_leading(names["student"], lead, "teacher", teacher.indices.shape[:-1])
+    _checks.teacher_temperature(options.temperature, teacher)
+    mask = _checks.teacher_mask(mask, teacher, lead)
+    fields, labels = _objective(options, labels, lead, x.device)
+    fields["temperature"] = teacher.temperature
+    n = lead.numel()
+    shard = _exchange(options, {"student": _width(student_tensors)}, n, x.device,
+                      shards)["student"]
+    vocab = _checks.vocab_size(options.vocab_size, (names["width"], shard.total))
+    desc = (f"{names['width']} {shard.total}" if "logits" not in student_tensors else
+            f"student_logits width {shard.total}, vocab_size={options.vocab_size}")
+    _checks.teacher_vocab(vocab, teacher, desc)
+    _checks.label_range(labels, fields["ignore_index"], vocab)
+    cfg = _config(fields, options, shard, vocab, n, student_tensors, labels, sparse=True,
+                  teacher_blocks=False)
+    return _run(_sparse_call(cfg, student_tensors, n),
+                {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
+                lead_shape=lead, labels=labels,
+                one_pass=("hidden" in student_tensors
+                          and _one_pass(student_tensors.values(), options.reduction)))
+
+
+# ---- inputs -------------------------------------------------------------------------------
+
+
+class _AllReduceGradient(torch.autograd.Function):
+    """Identity forward; SUM all-reduce of the gradient in backward (Megatron's
+    ``copy_to_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _student_head(student: tuple, options: KDOptions, mask):
+    """A student LM head's tensors by name, checked, and the names its messages use."""
+    if len(student) not in (2, 3):
+        raise TypeError(f"student must be logits or (hidden, weight[, bias]), got a tuple of "
+                        f"length {len(student)}")
+    hidden, weight, bias = (*student, None)[:3]
+    _check_linear("", hidden, weight, bias)
+    _checks.mask(mask, hidden.shape[:-1])
+    if options.reduce_hidden_grad and options.process_group is not None:
+        hidden = _AllReduceGradient.apply(hidden, options.process_group)
+    names = {"student": "hidden", "width": "weight rows", "teacher": "teacher logits",
+             "teacher_width": "teacher width"}
+    return dict(zip(_HEAD_NAMES, (hidden, weight, bias), strict=True)), names
+
+
+def _check_linear(prefix: str, hidden, weight, bias) -> None:
+    """``hidden [..., H]``, ``weight [V_r, H]``, ``bias [V_r]`` or None; float dtypes that
+    :func:`~topkd.sources.product_dtype` can combine."""
+    _checks.logits(f"{prefix}hidden", hidden)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{prefix}weight must be a 2-D tensor [V_r, H], got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    _checks.logits(f"{prefix}weight", weight)
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{prefix}hidden width {hidden.shape[-1]} differs from {prefix}weight "
+                         f"width {weight.shape[1]} (weight is [V_r, H] = {tuple(weight.shape)})")
+    if bias is not None and (not isinstance(bias, torch.Tensor)
+                             or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"{prefix}bias must be a tensor of shape ({weight.shape[0]},), got "
+                         f"{getattr(bias, 'shape', type(bias).__name__)}")
+    if bias is not None:
+        _checks.logits(f"{prefix}bias", bias)
+    try:
+        product_dtype(hidden.dtype, weight.dtype, *(() if bias is None else (bias.dtype,)))
+    except TypeError as e:
+        raise TypeError(f"{prefix}hidden, {prefix}weight and {prefix}bias: {e}") from None
+
+
+def _teacher_input(teacher, lead_shape, fused: bool, names: dict):
+    """``(tensors by name, width)`` of a teacher given as logits or (with an LM-head student)
+    ``(hidden, weight[, bias])``; detached."""
+    if isinstance(teacher, torch.Tensor):
+        _checks.logits(names["teacher"], teacher)
+        _checks.same_leading(names["student"], lead_shape, names["teacher"],
+                             teacher.shape[:-1])
+        return {"teacher": teacher.detach()}, teacher.shape[-1]
+    if fused and isinstance(teacher, tuple) and len(teacher) in (2, 3):
+        hidden, weight, bias = (*teacher, None)[:3]
+        _check_linear("teacher ", hidden, weight, bias)
+        _checks.same_leading("hidden", lead_shape, "teacher hidden", hidden.shape[:-1])
+        tensors = (None if t is None else t.detach() for t in (hidden, weight, bias))
+        return dict(zip(_TEACHER_HEAD_NAMES, tensors, strict=True)), weight.shape[0]
+    if not fused:
+        raise TypeError(f"teacher_logits must be a torch.Tensor, got {type(teacher).__name__}")
+    raise TypeError(
+        "teacher must be teacher logits [..., V_r], a topkd.SparseTeacher (fused_topk_kl_loss "
+        f"only) or a tuple (teacher_hidden, teacher_weight[, teacher_bias]), got "
+        f"{type(teacher).__name__}" + (f" of length {len(teacher)}" if isinstance(teacher, tuple)
+                                       else "")
+    )
+
+
+def _exchange(options: KDOptions, widths: dict, n: int, device, shards):
+    """This rank's shard of each tensor in ``widths``: exchanged here, or the caller's."""
+    if shards is None:
+        return parallel.exchange_shards(options.process_group, widths, n, device)
+    if set(widths) - set(shards):
+        raise ValueError(f"shards must hold {sorted(widths)}, got {sorted(shards)}")
+    for name, width in widths.items():
+        if shards[name].width != width:
+            raise ValueError(f"shards[{name!r}] is {shards[name].width} columns wide on this "
+                             f"rank but the {name} has {width}")
+    return shards
+
+
+def _width(student_tensors: dict) -> int:
+    """The student's vocabulary columns on this rank."""
+    if "logits" in student_tensors:
+        return student_tensors["logits"].shape[-1]
+    return student_tensors["weight"].shape[0]
+
+
+def sparse_tensors(teacher: SparseTeacher, n: int) -> dict:
+    """A :class:`SparseTeacher`'s tensors as the engine takes them (``[n, K]``, ``[n]``)."""
+    k = teacher.k
+    return dict(zip(_SPARSE_NAMES, (teacher.indices.reshape(n, k),
+                                    teacher.logprobs.reshape(n, k),
+                                    teacher.rest_logprob.reshape(n)), strict=True))
+
+
+def _objective(options: KDOptions, labels, lead_shape, device):
+    """The engine's config fields that come from the options, and the labels flattened (int64
+    ``[n]`` on ``device``)."""
+    labels = _checks.labels(labels, lead_shape, device)
+    if labels is None and options.ce_weight != 0:
+        raise ValueError(f"ce_weight={options.ce_weight} needs labels= (the hard-label term)")
+    fields = {"divergence": options.divergence, "kd_weight": options.kd_weight,
+              "ce_weight": options.ce_weight, "ignore_index": options.ignore_index,
+              "normalize": options.normalize, "logit_scale": options.logit_scale,
+              "softcap": options.softcap, "teacher_logit_scale": options.teacher_logit_scale,
+              "teacher_softcap": options.teacher_softcap,
+              "compiled": compiled.use_compile(options.impl, device)}
+    return fields, labels
+
+
+def _one_pass(tensors, reduction) -> bool:
+    """Whether a fused loss writes its gradients in forward (a scalar loss being trained)."""
+    return (reduction != "none" and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in tensors))
+
+
+# ---- the engine's configuration ------------------------------------------------------------
+
+
+def _config(fields, options, shard, vocab, n, student_tensors, labels, *, sparse,
+            teacher_blocks) -> Config:
+    group, chunk_bytes = options.process_group, options.chunk_bytes
+    if "logits" in student_tensors:
+        return _logits_config(fields, shard, vocab, group, chunk_bytes, n,
+                              student_tensors["logits"].element_size(), labels, sparse)
+    return _fused_config(fields, shard, vocab, group, chunk_bytes, n, student_tensors["hidden"],
+                         student_tensors["weight"], labels, sparse, teacher_blocks)
+
+
+def _logits_config(fields, shard, vocab, group, chunk_bytes, n, element_size, labels,
+                   sparse) -> Config:
+    cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
+    path = path_class(cfg, sparse)
+    per, backward = (row_chunk_count(chunk_bytes, n, shard.widest, element_size,
+                                     path.buffers(cfg, labels, backward), cfg.compiled)
+                     for backward in (False, True))
+    return Config(**{**cfg.__dict__, "rows_per_chunk": per, "backward_rows_per_chunk": backward})
+
+
+# The fused losses make the logits with one matrix product per block of rows and stage the
+# logits gradient for the products that make the hidden states' and weight's gradients (see
+# BlockedRows, LinearGradient); those products run near full speed from ~100 rows. By default
+# the blocks and the float32 work chunks share a fifth of the bytes the logits would take (at
+# most 512 MiB): 80% for the blocks, 20% for the work chunks. A teacher given as (hidden,
+# weight) gets blocks a quarter as tall as the student's: its blocks only feed its own
+# product, while the student's also set how often the weight's float32 accumulator is read
+# and written (once per block), which costs more than a shorter teacher product.
+_FUSED_CHUNK_BYTES = 512 * 2**20
+_FUSED_FRACTION = 5
+_TEACHER_BLOCK_DIVISOR = 4
+
+
+def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks, compiled=False,
+            workspace=0):
+    """``(work chunk rows, student block rows, teacher block rows)``, the teacher's only with
+    ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the engine
+    combines statistics per chunk, so every rank must cut the same chunks. One-pass losses
+    stage the student's gradient in its own blocks; the two-pass ones hold a stage of that many
+    rows but no student block. ``workspace``: what a matrix product allocates while it runs
+    (:func:`~topkd.sources.gemm_workspace`), taken from the default budget so that the peak,
+    products included, stays within it."""
+    width = shard.widest + 1
+    total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // 5
+    if total is None:
+        # By default at least 1 MiB, all of it for the work chunks if need be: at small shapes
+        # the per-chunk overhead, not the products' speed or the memory, is what counts;
+        # less where the products' workspace takes some of it.
+        total = min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION)
+        total = max(total, MIN_CHUNK_BYTES) - workspace
+        work = max(total // 5, min(MIN_CHUNK_BYTES, total))
+    row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
+    per = least_rows(chunk_rows(work, width, rows, element, buffers=buffers), compiled)
+    # The blocks get what the work chunks leave (at least 4/5, unless a chunk had to be made
+    # taller than its fifth), in whole chunks: a block starts at a chunk, so a remainder would
+    # be made again.
+    rest = max(0, total - per * 4 * width * buffers)
+    block = max(per, int(rest // row_bytes) // per * per)
+    teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
+    return per, block, teacher_block
+
+
+def _fused_config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels, sparse,
+                  teacher_blocks) -> Config:
+    cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
+    # the work chunks' fifth of the budget over at least three float32 buffers (the measured
+    # split): the one-pass loop's temporaries live beside the chunk
+    buffers = max(3, path_class(cfg, sparse).buffers(cfg, labels))
+    dtype = product_dtype(hidden.dtype, weight.dtype)
+    per, block, teacher_block = _budget(chunk_bytes, shard, n, dtype.itemsize, buffers,
+                                        teacher_blocks, cfg.compiled,
+                                        sources.gemm_workspace(dtype, hidden.device))
+    return Config(**{**cfg.__dict__, "rows_per_chunk": per, "block_rows": block,
+                     "teacher_block_rows": teacher_block})
+
+
+def _sparse_call(cfg: Config, student_tensors: dict, n: int) -> Call:
+    return Call(cfg, sparse=True, student=tuple(student_tensors), teacher=_SPARSE_NAMES,
+                count=n)
+
+
+# ---- running and reducing ------------------------------------------------------------------
+
+
+def _run(call: Call, tensors: dict, options: KDOptions, *, mask, lead_shape, labels,
+         teacher_rows=None, one_pass=False):
+    """Run the engine for a checked call and reduce the rows: ``kd_weight * KD + ce_weight *
+    CE``, each averaged over its own rows for ``"mean"``."""
+    cfg, n, reduction = call.config, call.count, options.reduction
+    named = dict(tensors, labels=labels)
+    args = [named.get(name) for name in call.names]
+    device = next(t.device for t in args if isinstance(t, torch.Tensor))
+    keep = None if mask is None else mask.reshape(n)
+    has_label = None if labels is None else labels != cfg.ignore_index
+    keep_ce = has_label if keep is None else (None if has_label is None else keep & has_label)
+    if one_pass:
+        weights = (_row_weights(keep, n, reduction, device),
+                   torch.zeros(n, device=device) if labels is None else
+                   _row_weights(keep_ce, n, reduction, device))
+        loss, kd, ce = ScalarLoss.apply(call, weights, teacher_rows, *args)
+        return LossParts(loss, kd, ce) if options.return_components else loss
+    kd_rows, ce_rows = RowLoss.apply(call, *args)
+    kd = reduce_rows(kd_rows, keep, reduction, lead_shape)
+    ce = reduce_rows(ce_rows, keep_ce, reduction, lead_shape)
+    loss = cfg.kd_weight * kd + cfg.ce_weight * ce if labels is not None else cfg.kd_weight * kd
+    if options.return_components:
+        return LossParts(loss, kd.detach(), ce.detach())
+    return loss
+
+
+def _row_weights(keep, n: int, reduction: str, device) -> torch.Tensor:
+    """The upstream gradient of each row's value under a scalar reduction."""
+    weight = torch.ones(n, device=device) if keep is None else keep.float()
+    if reduction == "mean":
+        weight = weight / max(int(weight.sum()), 1)
+    return weight
+
+
+def reduce_rows(loss: torch.Tensor, keep, reduction: str, lead_shape) -> torch.Tensor:
+    """``"none"`` (rows not kept are 0), ``"sum"`` or ``"mean"`` over the kept rows."""
+    if keep is not None:
+        loss = torch.where(keep, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss.reshape(lead_shape)
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    kept = loss.numel() if keep is None else int(keep.sum())
+    return total / max(kept, 1)
