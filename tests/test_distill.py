@@ -19,6 +19,7 @@ pytest.importorskip("tokenizers")
 
 from safetensors.torch import load_file  # noqa: E402
 
+import topkd  # noqa: E402
 from topkd.cli import main  # noqa: E402
 from topkd.hf.distill import SETTINGS_FILE, last_checkpoint  # noqa: E402
 from topkd.store import build_store  # noqa: E402
@@ -413,3 +414,37 @@ def test_a_near_miss_flag_names_the_right_one(setup, tmp_path):
     assert "unrecognized arguments: --steps 3 (--steps: did you mean --max-steps?)" in \
         result.stderr, result.stderr
     assert "usage: topkd distill" in result.stderr  # the command's own usage
+
+
+class _HalfTVD(topkd.Divergence):
+    """A user's divergence (pointwise only), registered by name for the CLI."""
+
+    name = "half_tvd_cli"
+
+    def pointwise(self, logp, logq):
+        return 0.25 * (logq.exp() - logp.exp()).abs()
+
+
+def test_impl_and_a_registered_divergence_reach_the_loss(setup, tmp_path, capsys, monkeypatch,
+                                                          one_thread):
+    import topkd.hf.trainer as trainer_module
+
+    topkd.divergences.register(_HalfTVD.name, _HalfTVD)
+    seen = []
+    real = trainer_module.distill_loss
+
+    def spy(student, teacher, options, **kwargs):
+        seen.append(options)
+        return real(student, teacher, options, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "distill_loss", spy)
+    out = tmp_path / "out"
+    code, _, err = _run(_args(setup, out, "--max-steps", "1", "--k", "8", "--impl", "eager",
+                              "--divergence", _HalfTVD.name), capsys)
+    assert code == 0, err
+    assert seen and {(o.impl, o.divergence, o.k) for o in seen} == {("eager", _HalfTVD(), 8)}
+    settings = json.loads((out / SETTINGS_FILE).read_text())
+    assert (settings["impl"], settings["divergence"]) == ("eager", _HalfTVD.name)
+    with pytest.raises(SystemExit):
+        main(_args(setup, tmp_path / "bad", "--impl", "triton"))
+    assert "invalid choice: 'triton'" in capsys.readouterr().err

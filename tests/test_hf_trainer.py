@@ -726,3 +726,40 @@ def test_another_vocabulary_is_not_a_resize(tmp_path):
 def test_k_larger_than_the_vocabulary_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=f"k={V + 1} is larger than the vocabulary \\({V}"):
         trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(), k=V + 1)
+
+
+class _HalfTVD(topkd.Divergence):
+    """A user's divergence object (pointwise only): half the total variation."""
+
+    name = "half_tvd_trainer"
+
+    def pointwise(self, logp, logq):
+        return 0.25 * (logq.exp() - logp.exp()).abs()
+
+
+def test_kdconfig_takes_a_divergence_object_and_impl(tmp_path, monkeypatch):
+    """``KDConfig(divergence=<object>, impl=...)`` reach the loss: half of the TVD loss and
+    gradients, the eager kernels; the config still writes itself as JSON."""
+    seen = []
+    real = trainer_module.distill_loss
+
+    def spy(student, teacher, options, **kwargs):
+        seen.append(options)
+        return real(student, teacher, options, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "distill_loss", spy)
+    data = hf_worker.items()
+    half = trainer_for(tmp_path / "half", hf_worker.student(), hf_worker.teacher(), k=K,
+                       divergence=_HalfTVD(), impl="eager")
+    (hl, hg) = loss_and_grads(half, data)
+    tvd = trainer_for(tmp_path / "tvd", hf_worker.student(), hf_worker.teacher(), k=K,
+                      divergence="tvd", impl="eager")
+    (tl, tg) = loss_and_grads(tvd, data)
+    assert float(hl) == pytest.approx(0.5 * float(tl), rel=1e-5)
+    assert assert_same_grads(hg, {n: 0.5 * g for n, g in tg.items()}, F32_GRAD_TOL,
+                             "half TVD") < F32_GRAD_TOL
+    assert [(o.impl, type(o.divergence)) for o in seen] == [("eager", _HalfTVD),
+                                                            ("eager", topkd.TVD)]
+    assert '"divergence": "_HalfTVD()"' in half.args.to_json_string()
+    with pytest.raises(ValueError, match="impl"):
+        trainer_for(tmp_path / "bad", hf_worker.student(), hf_worker.teacher(), impl="triton")

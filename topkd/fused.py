@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .entry import distill_loss
+from .losses import LossModule
 from .options import FUSED_KL_OPTIONS, FUSED_TOPK_OPTIONS, KDOptions, keywords
 from .teacher import SparseTeacher
 
@@ -142,7 +143,7 @@ def fused_kl_loss(
     return distill_loss((hidden, weight, bias), teacher, options, mask=mask, labels=labels)
 
 
-class FusedTopKLogitsKLLoss(torch.nn.Module):
+class FusedTopKLogitsKLLoss(LossModule):
     """Module form of :func:`fused_topk_kl_loss`: holds ``k`` and the options as one
     :class:`~topkd.KDOptions`; called as ``loss_fn(hidden, weight, teacher, bias=None,
     mask=None, labels=None)``."""
@@ -160,7 +161,7 @@ class FusedTopKLogitsKLLoss(torch.nn.Module):
                             mask=mask, labels=labels)
 
 
-class FusedLogitsKLLoss(torch.nn.Module):
+class FusedLogitsKLLoss(LossModule):
     """Module form of :func:`fused_kl_loss`: holds the options as one
     :class:`~topkd.KDOptions`; called as ``loss_fn(hidden, weight, teacher, bias=None,
     mask=None, labels=None)``."""

@@ -161,7 +161,17 @@ def kl_loss(
     return distill_loss(student_logits, teacher_logits, options, mask=mask, labels=labels)
 
 
-class TopKLogitsKLLoss(torch.nn.Module):
+class LossModule(torch.nn.Module):
+    """A loss Module: holds its options as one :class:`~topkd.KDOptions` (``self.options``),
+    shown by ``repr``."""
+
+    options: KDOptions
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{n}={v!r}" for n, v in self.options.given().items())
+
+
+class TopKLogitsKLLoss(LossModule):
     """Module form of :func:`topk_kl_loss`: holds ``k`` and the options (any keyword of
     :func:`topk_kl_loss` but ``mask`` and ``labels``, which are given per call) as one
     :class:`~topkd.KDOptions`, checked at construction."""
@@ -181,11 +191,8 @@ class TopKLogitsKLLoss(torch.nn.Module):
         return distill_loss(student_logits, teacher_logits, self.options, mask=mask,
                             labels=labels)
 
-    def extra_repr(self) -> str:
-        return ", ".join(f"{n}={v!r}" for n, v in self.options.given().items())
 
-
-class LogitsKLLoss(torch.nn.Module):
+class LogitsKLLoss(LossModule):
     """Module form of :func:`kl_loss`: holds the options (any keyword of :func:`kl_loss` but
     ``mask`` and ``labels``, which are given per call) as one :class:`~topkd.KDOptions`."""
 
@@ -198,6 +205,3 @@ class LogitsKLLoss(torch.nn.Module):
         _checks.logits("teacher_logits", teacher_logits)
         return distill_loss(student_logits, teacher_logits, self.options, mask=mask,
                             labels=labels)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{n}={v!r}" for n, v in self.options.given().items())

@@ -160,13 +160,15 @@ def _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel, voc
     return hidden, group is not None, teacher, group, vocab, shards
 
 
-def _sequence_loss(weight, bias, options: dict, prepared) -> torch.Tensor:
-    """The fused loss of the prepared inputs, ``[b, s]`` contiguous."""
+def _sequence_loss(weight, bias, options: dict, prepared, topk: bool) -> torch.Tensor:
+    """The fused loss of the prepared inputs, ``[b, s]`` contiguous; ``topk``: a Top-K loss,
+    whose ``k`` only a SparseTeacher may leave out."""
     hidden, reduce_grad, teacher, group, vocab, shards = prepared
     options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group,
                            "reduce_hidden_grad": reduce_grad})
-    loss = distill_loss((hidden, weight, bias), teacher, _teacher_k(options, teacher),
-                        shards=shards)
+    if topk:
+        options = _teacher_k(options, teacher)
+    loss = distill_loss((hidden, weight, bias), teacher, options, shards=shards)
     return loss.transpose(0, 1).contiguous()
 
 
@@ -227,7 +229,7 @@ def fused_topk_kl_loss(
     options = keywords(locals(), *_INPUTS)
     prepared = _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel,
                         vocab_size)
-    return _sequence_loss(weight, bias, options, prepared)
+    return _sequence_loss(weight, bias, options, prepared, topk=True)
 
 
 def fused_kl_loss(
@@ -255,7 +257,7 @@ def fused_kl_loss(
                         "SparseTeacher")
     prepared = _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel,
                         vocab_size)
-    return _sequence_loss(weight, bias, options, prepared)
+    return _sequence_loss(weight, bias, options, prepared, topk=False)
 
 
 @torch.no_grad()
