@@ -1,12 +1,12 @@
 """Benchmark, core section: topkd's losses against the plain float32 implementation they replace.
 
-``python -m topkd.bench`` (or ``topkd-bench``) runs every case, one case being
+``python -m benchmarks`` (from the repository root) runs every case, one case being
 (implementation, loss, divergence, rows), in its own fresh Python process whose address space
-is capped (:mod:`topkd.bench.harness`), so a case that runs out of memory shows as "out of
+is capped (:mod:`benchmarks.harness`), so a case that runs out of memory shows as "out of
 memory at N GiB" in the table instead of taking the machine down. Per case it reports:
 
 * **peak above inputs**: the peak of bytes allocated during one forward + backward, above
-  what was allocated before it (the logits), by the method of SPEC section 4: a
+  what was allocated before it (the logits), by the method the memory tests use: a
   ``torch.profiler.profile(profile_memory=True)`` around the step, the allocator events
   (``[memory]``, signed ``nbytes()``) walked in time order, running maximum. It includes the
   student gradient itself (1.0x the student logits' bytes). On CUDA it is
@@ -15,7 +15,7 @@ memory at N GiB" in the table instead of taking the machine down. Per case it re
 * **fwd+bwd s**: median wall time of ``--repeats`` forward + backward runs (``loss.sum()
   .backward()``, ``reduction="none"``) after one warm-up, measured without the profiler.
 * **loss rel err**: max over ``--sample-rows`` rows of ``|L - L64| / |L64|``, with ``L64``
-  the same loss definition computed in float64 on those rows (:mod:`topkd.bench.reference`).
+  the same loss definition computed in float64 on those rows (:mod:`benchmarks.reference`).
 * **grad err**: ``max |g - g64| / max |g64|`` over the sampled rows, with ``g64`` the float64
   autograd gradient. The table's footnote gives the floor that rounding ``g64`` to the logits'
   dtype alone produces.
@@ -348,7 +348,7 @@ def _run_case(args, impl, loss, divergence, rows, kernels) -> dict:
                                 f"(--no-estimate runs it against the address-space cap)")
             return base
     settings = {**vars(args), "mem_limit_gib": limit}
-    base.update(harness.run_child("topkd.bench.core:run_case", settings, impl, loss, divergence,
+    base.update(harness.run_child("benchmarks.core:run_case", settings, impl, loss, divergence,
                                   rows, kernels, timeout=args.timeout))
     return base
 
@@ -500,13 +500,13 @@ def _parse_rows(text):
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="topkd-bench",
+        prog="python -m benchmarks",
         description="Benchmark topkd's KD losses against the plain float32 implementation: peak "
                     "memory above the inputs (profiler method), forward + backward time, error "
                     "vs float64. Every case runs in its own memory-capped process.",
         epilog="Fused LM-head section (fused_topk_kl_loss / fused_kl_loss vs F.linear + the "
-               "loss, Liger-Kernel and TRL): 'topkd-bench fused --help'. Teacher store "
-               "section: 'topkd-bench store --help'.",
+               "loss, Liger-Kernel and TRL): 'python -m benchmarks fused --help'. Teacher store "
+               "section: 'python -m benchmarks store --help'.",
     )
     p.add_argument("--rows", type=_parse_rows, nargs="+", default=[[256, 1024, 4096]],
                    help="sequence lengths (rows of logits), e.g. '256 1024' or 256,1024 "

@@ -1,4 +1,4 @@
-"""Benchmark, trainer section: ``python -m topkd.bench trainer``.
+"""Benchmark, trainer section: ``python -m benchmarks trainer``.
 
 Whole Hugging Face training runs, side by side, on one tiny-but-wide setup: a student
 ``LlamaForCausalLM`` of ``--layers`` (2) layers, H = ``--hidden`` (256), intermediate
@@ -11,7 +11,7 @@ token after the first learned (``labels = input_ids``); AdamW (the ``TrainingArg
 default), constant learning rate ``--lr``, ``--steps`` (N) optimizer steps, no gradient
 accumulation, no gradient checkpointing (TRL's configs default to it; it is turned off in
 every case, or on in every case with ``--gradient-checkpointing``). Cases, each in its own
-fresh process (:mod:`topkd.bench.harness`):
+fresh process (:mod:`benchmarks.harness`):
 
 * ``fused``: :class:`topkd.hf.KDTrainer` with ``KDConfig(divergence="jsd", beta=--beta,
   k=None, fused=True)``: the full-vocabulary generalized JSD, the same loss as TRL's; the
@@ -49,7 +49,7 @@ Per case, with step 1 a warm-up (compiled kernels are built there), step 2 profi
 * **loss**: what each trainer's ``training_step`` returns at step 1 (the same weights and
   batch in every case: the losses alone compared) and step N, per learned token; and the JSD
   after the N steps on a held-out sequence, in float64 (both models' float32 logits, no
-  autocast), by :func:`topkd.bench.reference.full_loss` per row, mean over the rows.
+  autocast), by :func:`benchmarks.reference.full_loss` per row, mean over the rows.
 
 ``--runs`` repeats every case in a new process; the table shows the median of the runs'
 numbers (memory and losses are the same run to run).
@@ -68,7 +68,7 @@ IMPLS = ("fused", "unfused", "trl", "fused-fp32")
 IMPL_LABELS = {"fused": "KDTrainer (fused)", "unfused": "KDTrainer(fused=False)",
                "trl": "TRL GKDTrainer (lmbda=0)",
                "fused-fp32": "KDTrainer (fused, float32: no autocast)"}
-FWD_BWD = "topkd.bench.trainer: training_step"
+FWD_BWD = "benchmarks.trainer: training_step"
 PROFILED_STEP = 2  # step 1 is the warm-up
 
 
@@ -374,7 +374,7 @@ def _run_case(args, impl, kernels, run) -> dict:
     limit = harness.memory_limit(args.mem_limit_gib)
     env = {"TOPKD_IMPL": kernels} if kernels != "-" else None
     result = {"impl": impl, "kernels": kernels, "run": run, "mem_limit_gib": limit}
-    result.update(harness.run_child("topkd.bench.trainer:run_case",
+    result.update(harness.run_child("benchmarks.trainer:run_case",
                                     {**vars(args), "mem_limit_gib": limit}, impl, kernels, run,
                                     timeout=args.timeout, env=env))
     return result
@@ -519,7 +519,8 @@ def format_table(rows, meta) -> str:
                          + ", ".join(IMPL_LABELS[r["impl"]] for r in ok
                                      if not r["losses_agree_across_runs"]))
     if trl is not None:
-        lines += ["", "Bounds (issue 10), vs TRL:"]
+        lines += ["", "KDTrainer's targets against TRL (step peak at most 0.5x TRL's, tokens/s "
+                      "at least TRL's):"]
         for r in ok:
             if r["impl"] != "fused":
                 continue
@@ -544,7 +545,7 @@ def format_table(rows, meta) -> str:
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="topkd-bench trainer",
+        prog="python -m benchmarks trainer",
         description="Trainer section: whole training runs of KDTrainer (fused and not) and TRL's "
                     "GKDTrainer (lmbda=0, off-policy) at the same JSD, on a 2-layer student "
                     "with a 151,936-token vocabulary: one step's peak memory (profiler), "

@@ -1,8 +1,8 @@
-"""Benchmark, fused LM-head section: ``python -m topkd.bench fused`` (or ``--fused``).
+"""Benchmark, fused LM-head section: ``python -m benchmarks fused`` (or ``--fused``).
 
 The student's logits are ``F.linear(hidden, weight)``; the fused losses take ``hidden`` and
 ``weight`` and never hold those logits whole. Cases, each in its own fresh, memory-capped
-process (:mod:`topkd.bench.harness`):
+process (:mod:`benchmarks.harness`):
 
 * ``fused`` ``topk``: ``topkd.fused_topk_kl_loss(hidden, weight, teacher_logits, K)``.
 * ``unfused`` ``topk``: ``z = F.linear(hidden, weight)``, ``topkd.topk_kl_loss(z,
@@ -48,7 +48,7 @@ Per case:
 * **errors**: the implementation is run again on the problem of ``--sample-rows`` rows alone
   (their hidden states and teacher, the whole weight; Liger with its chunk size scaled so that
   it accumulates over as many chunks as in the full run) and compared with float64
-  (:mod:`topkd.bench.reference`): the student logits ``F.linear(hidden, weight)`` as every
+  (:mod:`benchmarks.reference`): the student logits ``F.linear(hidden, weight)`` as every
   implementation computes them, in the input dtype, upcast exactly (the teacher's likewise),
   the loss in float64, ``dz64`` its gradient, and the chain rule ``dz64 @ W64`` and ``dz64.T @
   h64``. loss rel err = ``|L - L64| / |L64|``; grad err = ``max |g - g64| / max |g64|``, in
@@ -513,7 +513,7 @@ class _Problem:
 def _run_case(args, impl, loss, kernels) -> dict:
     limit = harness.memory_limit(args.mem_limit_gib)
     result = {"impl": impl, "loss": loss, "kernels": kernels, "mem_limit_gib": limit}
-    result.update(harness.run_child("topkd.bench.fused:run_case",
+    result.update(harness.run_child("benchmarks.fused:run_case",
                                     {**vars(args), "mem_limit_gib": limit}, impl, loss,
                                     kernels, timeout=args.timeout))
     return result
@@ -659,7 +659,7 @@ def _fmt_val(x):
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="topkd-bench fused",
+        prog="python -m benchmarks fused",
         description="Fused LM-head section: topkd's fused losses vs the unfused path (F.linear "
                     "then the logits loss), Liger-Kernel's LigerFusedLinearJSDLoss (beta=0: "
                     f"forward KL; beta={BETA:g}: JSD) and TRL's chunked JSD: peak memory above "
@@ -725,7 +725,7 @@ def main(argv) -> int:
     verify = None
     if args.verify and "liger" in args.impl:
         print("agreement check (small shape) ...", file=sys.stderr, flush=True)
-        verify = harness.run_child("topkd.bench.fused:run_verify", vars(args),
+        verify = harness.run_child("benchmarks.fused:run_verify", vars(args),
                                    timeout=args.timeout)
 
     import torch
