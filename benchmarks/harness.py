@@ -451,6 +451,36 @@ def sample_rows(total: int, n: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------
+# Errors against the float64 reference (the test suite's tests/reference.py, which the sections
+# import as ``reference``: see benchmarks/__init__.py)
+# --------------------------------------------------------------------------------------------
+
+DIVERGENCES = ("kl", "jsd", "tvd")  # the divergences the sections measure
+JSD_BETA = 0.5  # their JSD: beta KL(q || M) + (1 - beta) KL(p || M), M = beta q + (1 - beta) p
+
+
+def reference_divergence(name: str):
+    """A section's divergence name as the reference's ``divergence=`` (JSD at JSD_BETA)."""
+    return ("jsd", JSD_BETA) if name == "jsd" else name
+
+
+def rel_err(got, ref) -> float:
+    """``max |got - ref| / |ref|`` (elementwise over tensors, or of two numbers)."""
+    if isinstance(ref, (int, float)):
+        return abs(got - ref) / abs(ref)
+    return ((got - ref).abs() / ref.abs()).max().item()
+
+
+def grad_err(g, g64, dtype) -> tuple[float, float]:
+    """``(err, floor)``: ``max |g - g64| / max |g64|``, and the same for ``g64`` rounded to
+    ``dtype`` (what a correctly rounded gradient in that dtype gets)."""
+    scale = g64.abs().max().item()
+    err = (g.double() - g64).abs().max().item() / scale
+    floor = (g64.to(dtype).double() - g64).abs().max().item() / scale
+    return err, floor
+
+
+# --------------------------------------------------------------------------------------------
 # Formatting
 # --------------------------------------------------------------------------------------------
 
