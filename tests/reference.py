@@ -1,4 +1,16 @@
-"""Independent float64 reference of SPEC section 1, written straight from the definitions.
+"""The float64 reference of topkd's losses, written straight from their definitions.
+
+The one reference in the repository: the tests compare topkd with it, and the benchmarks
+(``benchmarks/``, which put this directory on ``sys.path``) measure topkd's errors against it.
+Its own checks, against closed forms and values worked out by hand, are test_reference.py and
+test_reference_divergences.py.
+
+Definitions. ``p`` is the student's distribution, ``q`` the teacher's, both softmaxes of the
+(transformed, then temperature-divided) logits. The Top-K losses act on the teacher's K largest
+entries, ties to the lower vocabulary index (the set S; S' after top-p drops its tail), plus a
+ghost bucket holding the rest of the vocabulary's mass (``normalize="full"``), or on S' alone
+with both distributions renormalized over it (``"topk"``). The full-vocabulary losses act on
+every entry. A term whose weight is exactly 0 is exactly 0, in value and gradient.
 
 Deliberately simple and slow: full log-softmax in float64, selection by a stable sort, ghost
 bucket by a log-sum-exp over the complement. It does not import topkd. Gradients come from
@@ -26,8 +38,13 @@ def _rows(x: torch.Tensor, vocab_size: int | None) -> tuple[torch.Tensor, tuple,
     return x[..., :v].reshape(-1, v), lead, v
 
 
-def select(teacher_logits, k, *, top_p=None, top_p_min_k=1, temperature=1.0, vocab_size=None):
+def select(teacher_logits, k, *, top_p=None, top_p_min_k=1, temperature=1.0, vocab_size=None,
+           indices=None):
     """Reference of ``select_topk``.
+
+    ``indices`` (int64 [..., K], distinct per row): a given selection in place of the K largest
+    entries, e.g. another implementation's ``torch.topk``, whose ties may fall otherwise; the
+    loss is then measured on that selection. Not with ``top_p``.
 
     Returns a dict with ``indices`` (int64 [..., K], -1 where dropped by top-p), ``logprobs``
     (float64 [..., K], -inf where dropped), ``rest_logprob`` (float64 [...], log q_g),
@@ -38,8 +55,14 @@ def select(teacher_logits, k, *, top_p=None, top_p_min_k=1, temperature=1.0, voc
     assert 1 <= k <= v
     b = t / temperature
     logq = torch.log_softmax(b, dim=-1)  # b - B, over the whole vocabulary
-    # Selection: the K largest b, ties to the lower index <=> stable ascending sort of -b.
-    order = torch.sort(-b, dim=-1, stable=True).indices[:, :k]
+    if indices is None:
+        # Selection: the K largest b, ties to the lower index <=> stable ascending sort of -b.
+        order = torch.sort(-b, dim=-1, stable=True).indices[:, :k]
+    else:
+        assert top_p is None, "a given selection has no top-p"
+        order = indices.reshape(n, k).to(device=b.device, dtype=torch.int64)
+        assert bool(((order >= 0) & (order < v)).all()), "index out of range"
+        assert bool((order.sort(-1).values.diff(dim=-1) > 0).all()), "repeated index"
     sel_logq = logq.gather(-1, order)
     keep = torch.ones(n, k, dtype=torch.bool)
     if top_p is not None:
@@ -89,77 +112,6 @@ def _kl_terms(logw: torch.Tensor, logv: torch.Tensor, active: torch.Tensor) -> t
     return term.sum(-1)
 
 
-def _reduce(loss_rows: torch.Tensor, lead, mask, reduction):
-    loss = loss_rows.reshape(lead)
-    if mask is not None:
-        loss = torch.where(mask, loss, torch.zeros_like(loss))
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "mean":
-        count = loss.numel() if mask is None else int(mask.sum())
-        return loss.sum() / max(count, 1)
-    raise ValueError(reduction)
-
-
-def divergence(student_logits, kept, logq, lead, *, temperature=1.0, reverse=False,
-               normalize="full", vocab_size=None, mask=None, reduction="none"):
-    """KL between student and teacher given the kept set S' (bool [N, V]) and teacher log q."""
-    z, lead_s, _ = _rows(student_logits.to(torch.float64), vocab_size)
-    assert lead_s == tuple(lead), (lead_s, lead)
-    a = z / temperature
-    logp = torch.log_softmax(a, dim=-1)
-    if normalize == "topk":
-        # both renormalized over S' alone, no ghost
-        lq = logq - _safe_lse(logq, kept).unsqueeze(-1)
-        lp = logp - _safe_lse(logp, kept).unsqueeze(-1)
-        if reverse:
-            rows = _kl_terms(lp, lq, kept)
-        else:
-            rows = _kl_terms(lq, lp, kept)
-    elif normalize == "full":
-        comp = ~kept
-        lqg = _safe_lse(logq, comp).unsqueeze(-1)
-        lpg = _safe_lse(logp, comp).unsqueeze(-1)
-        one = torch.ones_like(lqg, dtype=torch.bool)
-        if reverse:
-            rows = _kl_terms(logp, logq, kept) + _kl_terms(lpg, lqg, one)
-        else:
-            rows = _kl_terms(logq, logp, kept) + _kl_terms(lqg, lpg, one)
-    else:
-        raise ValueError(normalize)
-    return _reduce(rows, lead, mask, reduction)
-
-
-def topk_kl(student_logits, teacher_logits, k, *, top_p=None, top_p_min_k=1, temperature=1.0,
-            reverse=False, normalize="full", vocab_size=None, mask=None, reduction="none"):
-    sel = select(teacher_logits, k, top_p=top_p, top_p_min_k=top_p_min_k,
-                 temperature=temperature, vocab_size=vocab_size)
-    return divergence(student_logits, sel["kept"], sel["logq"], sel["lead"],
-                      temperature=temperature, reverse=reverse, normalize=normalize,
-                      vocab_size=vocab_size, mask=mask, reduction=reduction)
-
-
-def full_kl(student_logits, teacher_logits, *, temperature=1.0, reverse=False, vocab_size=None,
-            mask=None, reduction="none"):
-    t, lead, _ = _rows(teacher_logits.detach().to(torch.float64), vocab_size)
-    logq = torch.log_softmax(t / temperature, dim=-1)
-    kept = torch.ones_like(logq, dtype=torch.bool)
-    return divergence(student_logits, kept, logq, lead, temperature=temperature,
-                      reverse=reverse, normalize="full", vocab_size=vocab_size, mask=mask,
-                      reduction=reduction)
-
-
-def sparse_kl(student_logits, teacher_ref: dict, *, temperature, reverse=False, normalize="full",
-              vocab_size=None, mask=None, reduction="none"):
-    """The same loss, from a reference ``select`` result (offline-teacher path)."""
-    return divergence(student_logits, teacher_ref["kept"], teacher_ref["logq"],
-                      teacher_ref["lead"], temperature=temperature, reverse=reverse,
-                      normalize=normalize, vocab_size=vocab_size, mask=mask,
-                      reduction=reduction)
-
-
 def loss_and_grad(fn, student_logits, *args, grad_output=None, **kwargs):
     """Run a reference loss in float64 and return (loss, d loss / d student) in float64.
 
@@ -192,7 +144,7 @@ def top_p_margin(sel: dict, top_p: float, top_p_min_k: int = 1) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Divergences, hard-label term, logit transforms (SPEC section 1, issue 5).
+# Divergences, hard-label term, logit transforms.
 #
 # Everything below is float64 and written from the formulas: log-probabilities from a full
 # log_softmax, mixtures formed explicitly as probabilities (beta q + (1 - beta) p), and every
@@ -415,17 +367,18 @@ def topk_loss(student_logits, teacher_logits, k, *, divergence="kl", reverse=Fal
               top_p_min_k=1, temperature=1.0, normalize="full", vocab_size=None, mask=None,
               reduction="none", labels=None, ignore_index=-100, kd_weight=1.0, ce_weight=0.0,
               logit_scale=1.0, softcap=None, teacher_logit_scale=1.0, teacher_softcap=None,
-              return_components=False):
-    """Reference of ``topk_kl_loss`` / ``fused_topk_kl_loss`` with every issue-5 option.
+              return_components=False, indices=None):
+    """Reference of ``topk_kl_loss`` / ``fused_topk_kl_loss`` with every option they take.
 
     Teacher and student logits are transformed (scale, softcap) first, then divided by the
     temperature; the K+1 buckets (``normalize="full"``) or the K renormalized entries
     (``"topk"``) carry the divergence; CE is at temperature 1 on the transformed student.
-    Returns the loss, or ``(loss, kd, ce)`` with ``return_components``.
+    ``indices``: a given selection instead of the K largest (see ``select``). Returns the loss,
+    or ``(loss, kd, ce)`` with ``return_components``.
     """
     t = transform_logits(teacher_logits.detach(), teacher_logit_scale, teacher_softcap)
     sel = select(t, k, top_p=top_p, top_p_min_k=top_p_min_k, temperature=temperature,
-                 vocab_size=vocab_size)
+                 vocab_size=vocab_size, indices=indices)
     return _loss(student_logits, sel["kept"], sel["logq"], sel["lead"], divergence=divergence,
                  reverse=reverse, temperature=temperature, normalize=normalize,
                  vocab_size=vocab_size, mask=mask, reduction=reduction, labels=labels,

@@ -1,4 +1,4 @@
-"""The trainer benchmark section (``python -m topkd.bench trainer``): its options, and one
+"""The trainer benchmark section (``python -m benchmarks trainer``): its options, and one
 case run in this process at a tiny shape (KDTrainer fused, eager kernels)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from topkd.bench import trainer  # noqa: E402
+from benchmarks import trainer  # noqa: E402
 
 TINY = ["--vocab", "256", "--seq", "16", "--steps", "3", "--hidden", "32", "--intermediate",
         "32", "--teacher-hidden", "32", "--teacher-intermediate", "32"]

@@ -295,9 +295,9 @@ def _reference(d, loss, teacher, opts, *, view=None, mask=None, go=None):
         opts["mask"] = mask
     if loss == "topk":
         k = opts.pop("k")
-        fn, args = ref.topk_kl, (t, k)
+        fn, args = ref.topk_loss, (t, k)
     else:
-        fn, args = ref.full_kl, (t,)
+        fn, args = ref.full_loss, (t,)
     red = opts.get("reduction", "none")
     l64, dz = ref.loss_and_grad(fn, z, *args, grad_output=go if red == "none" else None, **opts)
     # back through the view to the leaf's layout

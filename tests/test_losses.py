@@ -64,7 +64,7 @@ def test_topk_kl_loss_matches_reference(case):
     if opts.get("top_p") not in (None, 1.0):
         _check_top_p_margin(t, k, opts)
     loss, grad = run(topkd.topk_kl_loss, s, t, k, grad_output=g, **opts)
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, k, grad_output=g, **opts)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, k, grad_output=g, **opts)
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, torch.float32)
 
@@ -76,7 +76,7 @@ def test_topk_kl_loss_reductions_match_reference(case, reduction):
     k, opts = case
     s, t, _ = _inputs(seed=3)
     loss, grad = run(topkd.topk_kl_loss, s, t, k, reduction=reduction, **opts)
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, k, reduction=reduction, **opts)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, k, reduction=reduction, **opts)
     assert loss.dim() == 0
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, torch.float32)
@@ -96,7 +96,7 @@ def test_sparse_kl_loss_is_topk_kl_loss_of_select_topk(case):
     assert torch.equal(g1, g2)
     # and the offline path against the reference too
     r = ref.select(t, k, **sel_opts)
-    rl, rg = ref.loss_and_grad(ref.sparse_kl, s, r, grad_output=g,
+    rl, rg = ref.loss_and_grad(ref.sparse_loss, s, r, grad_output=g,
                                temperature=opts.get("temperature", 1.0), **loss_opts)
     assert_loss_close(l1, rl)
     assert_grad_close(g1, rg, torch.float32)
@@ -109,7 +109,7 @@ def test_kl_loss_matches_reference(temperature, reverse):
     s, t, g = _inputs(seed=2)
     loss, grad = run(topkd.kl_loss, s, t, grad_output=g, temperature=temperature,
                      reverse=reverse)
-    rl, rg = ref.loss_and_grad(ref.full_kl, s, t, grad_output=g, temperature=temperature,
+    rl, rg = ref.loss_and_grad(ref.full_loss, s, t, grad_output=g, temperature=temperature,
                                reverse=reverse)
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, torch.float32)
@@ -137,10 +137,10 @@ def test_low_precision_inputs(fn, dtype, reverse):
         opts = dict(top_p=0.85, top_p_min_k=4, temperature=0.9, reverse=reverse)
         _check_top_p_margin(t, 100, opts)
         loss, grad = run(topkd.topk_kl_loss, s, t, 100, grad_output=g, **opts)
-        rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, 100, grad_output=g, **opts)
+        rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, 100, grad_output=g, **opts)
     else:
         loss, grad = run(topkd.kl_loss, s, t, grad_output=g, reverse=reverse)
-        rl, rg = ref.loss_and_grad(ref.full_kl, s, t, grad_output=g, reverse=reverse)
+        rl, rg = ref.loss_and_grad(ref.full_loss, s, t, grad_output=g, reverse=reverse)
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, dtype)
 
@@ -151,10 +151,10 @@ def test_mixed_dtypes(fn):
     _, t, _ = _inputs(dtype=torch.float32, seed=6)
     if fn == "topk":
         loss, grad = run(topkd.topk_kl_loss, s, t, 50, grad_output=g)
-        rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, 50, grad_output=g)
+        rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, 50, grad_output=g)
     else:
         loss, grad = run(topkd.kl_loss, s, t, grad_output=g)
-        rl, rg = ref.loss_and_grad(ref.full_kl, s, t, grad_output=g)
+        rl, rg = ref.loss_and_grad(ref.full_loss, s, t, grad_output=g)
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, torch.bfloat16)
 
@@ -181,11 +181,11 @@ def test_noncontiguous_sbv_view(dtype, fn):
     assert loss.shape == (s_, b_)
     # reference on the same (transposed) values
     if fn == "kl":
-        rl, rg = ref.loss_and_grad(ref.full_kl, sb.transpose(0, 1), t, grad_output=g,
+        rl, rg = ref.loss_and_grad(ref.full_loss, sb.transpose(0, 1), t, grad_output=g,
                                    temperature=1.1)
     else:
         _check_top_p_margin(t, 33, opts)
-        rl, rg = ref.loss_and_grad(ref.topk_kl, sb.transpose(0, 1), t, 33, grad_output=g, **opts)
+        rl, rg = ref.loss_and_grad(ref.topk_loss, sb.transpose(0, 1), t, 33, grad_output=g, **opts)
     rg = rg.transpose(0, 1)  # back to the leaf's [B, S, V] layout
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, dtype)
@@ -197,7 +197,7 @@ def test_noncontiguous_vocab_stride():
     t = logits(6, 2 * V, seed=11, scale=2.5)[:, ::2]
     view = lambda x: x[:, ::2]  # noqa: E731
     loss, grad = run_view(topkd.topk_kl_loss, s_full, view, t, 40)
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s_full[:, ::2], t, 40)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s_full[:, ::2], t, 40)
     assert_loss_close(loss, rl)
     assert grad.shape == s_full.shape
     assert torch.all(grad[:, 1::2] == 0)
@@ -217,15 +217,15 @@ def test_vocab_size_padding(fn, dtype):
         opts = dict(top_p=0.9, reverse=True)
         _check_top_p_margin(t, 64, dict(opts, vocab_size=v))
         loss, grad = run(topkd.topk_kl_loss, s, t, 64, grad_output=g, vocab_size=v, **opts)
-        rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, 64, grad_output=g, vocab_size=v, **opts)
+        rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, 64, grad_output=g, vocab_size=v, **opts)
     elif fn == "sparse":
         teacher = topkd.select_topk(t, 64, vocab_size=v)
         assert teacher.vocab_size == v
         loss, grad = run(topkd.sparse_kl_loss, s, teacher, grad_output=g, vocab_size=v)
-        rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, 64, grad_output=g, vocab_size=v)
+        rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, 64, grad_output=g, vocab_size=v)
     else:
         loss, grad = run(topkd.kl_loss, s, t, grad_output=g, vocab_size=v)
-        rl, rg = ref.loss_and_grad(ref.full_kl, s, t, grad_output=g, vocab_size=v)
+        rl, rg = ref.loss_and_grad(ref.full_loss, s, t, grad_output=g, vocab_size=v)
     assert_loss_close(loss, rl)
     assert grad.shape == s.shape
     assert torch.all(grad[..., v:] == 0), "gradient past vocab_size must be exactly zero"
@@ -240,10 +240,10 @@ def test_different_widths_with_vocab_size_inside_both(fn):
     v = 120
     if fn == "topk":
         loss, grad = run(topkd.topk_kl_loss, s, t, 9, vocab_size=v)
-        rl, rg = ref.loss_and_grad(ref.topk_kl, s, t[:, :v], 9, vocab_size=v)
+        rl, rg = ref.loss_and_grad(ref.topk_loss, s, t[:, :v], 9, vocab_size=v)
     else:
         loss, grad = run(topkd.kl_loss, s, t, vocab_size=v)
-        rl, rg = ref.loss_and_grad(ref.full_kl, s, t[:, :v], vocab_size=v)
+        rl, rg = ref.loss_and_grad(ref.full_loss, s, t[:, :v], vocab_size=v)
     assert_loss_close(loss, rl)
     assert torch.all(grad[:, v:] == 0)
     assert_grad_close(grad, rg, torch.float32)
@@ -266,7 +266,7 @@ def test_sparse_teacher_carries_temperature():
     s, t, g = _inputs(seed=16)
     teacher = topkd.select_topk(t, 30, temperature=0.6)
     loss, grad = run(topkd.sparse_kl_loss, s, teacher, grad_output=g)
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, 30, grad_output=g, temperature=0.6)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, 30, grad_output=g, temperature=0.6)
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, torch.float32)
 
@@ -294,6 +294,6 @@ def test_larger_shape_many_chunks(opts):
     if "top_p" in opts:
         _check_top_p_margin(t, k, opts)
     loss, grad = run(topkd.topk_kl_loss, s, t, k, grad_output=gout, chunk_bytes=50_000, **opts)
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, k, grad_output=gout, **opts)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, k, grad_output=gout, **opts)
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, torch.bfloat16)

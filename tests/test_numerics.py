@@ -37,7 +37,7 @@ def test_peaky_teacher_ghost_is_exact(reverse, normalize):
     torch.testing.assert_close(st.rest_logprob.double(), r["rest_logprob"], rtol=1e-6, atol=0)
     gout = torch.randn(n)
     loss, grad = run(topkd.topk_kl_loss, s, t, k, grad_output=gout, reverse=reverse)
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, k, grad_output=gout, reverse=reverse)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, k, grad_output=gout, reverse=reverse)
     # Reverse KL weights log q_g by the student's O(1) ghost mass p_g: any error in log q_g
     # shows up directly in the loss.
     assert_loss_close(loss, rl, rtol=1e-5)
@@ -57,7 +57,7 @@ def test_peaky_teacher_ghost_is_exact_with_top_p():
     assert ref.top_p_margin(r, 0.9) > 1e-5
     assert (r["indices"] == -1).any()
     loss, grad = run(topkd.topk_kl_loss, s, t, k, reverse=True, **opts)
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, k, reverse=True, **opts)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, k, reverse=True, **opts)
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, torch.float32)
 
@@ -101,10 +101,10 @@ def test_offset_2_20_changes_nothing(which, case):
         opts = dict(opts)
         k = opts.pop("k")
         f = lambda a, b: topkd.topk_kl_loss(a, b, k, **opts)  # noqa: E731
-        fr = lambda a, b: ref.topk_kl(a, b, k, **opts)  # noqa: E731
+        fr = lambda a, b: ref.topk_loss(a, b, k, **opts)  # noqa: E731
     else:
         f = lambda a, b: topkd.kl_loss(a, b, **opts)  # noqa: E731
-        fr = lambda a, b: ref.full_kl(a, b, **opts)  # noqa: E731
+        fr = lambda a, b: ref.full_loss(a, b, **opts)  # noqa: E731
     l0, g0 = run(f, s, t, grad_output=gout)
     l1, g1 = run(f, s_off, t_off, grad_output=gout)
     # SPEC 4: loss and gradient unchanged to 1e-6
@@ -152,7 +152,7 @@ def test_ties_bitwise_identical_for_any_chunk_bytes(dtype, opts):
     for i, (l1, g1) in enumerate(results[1:], 1):
         assert torch.equal(l0, l1), f"loss differs for case {i}: {(l0 - l1).abs().max()}"
         assert torch.equal(g0, g1), f"gradient differs for case {i}: {(g0 - g1).abs().max()}"
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, k, grad_output=gout, **opts)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, k, grad_output=gout, **opts)
     assert_loss_close(l0, rl)
     assert_grad_close(g0, rg, dtype)
 
@@ -203,7 +203,7 @@ def test_teacher_neg_inf_with_k_past_them(k, opts):
         r = ref.select(t, k, top_p=opts["top_p"])
         assert ref.top_p_margin(r, opts["top_p"]) > 1e-6
     loss, grad = run(topkd.topk_kl_loss, s, t, k, grad_output=gout, **opts)
-    rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, k, grad_output=gout, **opts)
+    rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, k, grad_output=gout, **opts)
     assert torch.isfinite(loss).all(), loss
     assert torch.isfinite(grad).all()
     assert_loss_close(loss, rl)
@@ -218,7 +218,7 @@ def test_kl_loss_teacher_neg_inf():
     t[0, :] = float("-inf")
     t[0, 0] = 2.0
     loss, grad = run(topkd.kl_loss, s, t)
-    rl, rg = ref.loss_and_grad(ref.full_kl, s, t)
+    rl, rg = ref.loss_and_grad(ref.full_loss, s, t)
     assert torch.isfinite(loss).all()
     assert_loss_close(loss, rl)
     assert_grad_close(grad, rg, torch.float32)
@@ -244,10 +244,10 @@ def test_student_and_teacher_neg_inf_on_same_columns(fn):
     t[:, 60:] = float("-inf")
     if fn == "topk":
         loss, grad = run(topkd.topk_kl_loss, s, t, 70)
-        rl, rg = ref.loss_and_grad(ref.topk_kl, s, t, 70)
+        rl, rg = ref.loss_and_grad(ref.topk_loss, s, t, 70)
     else:
         loss, grad = run(topkd.kl_loss, s, t)
-        rl, rg = ref.loss_and_grad(ref.full_kl, s, t)
+        rl, rg = ref.loss_and_grad(ref.full_loss, s, t)
     assert torch.isfinite(loss).all(), loss
     assert not torch.isnan(grad).any()
     assert_loss_close(loss, rl)

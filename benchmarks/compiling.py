@@ -1,6 +1,6 @@
 """Benchmark, compile section: what ``impl="compile"`` costs before its first step.
 
-``python -m topkd.bench compile`` runs, per configuration (loss, dtype, divergence, options),
+``python -m benchmarks compile`` runs, per configuration (loss, dtype, divergence, options),
 two fresh Python processes that share one new, empty inductor cache directory
 (``TORCHINDUCTOR_CACHE_DIR``):
 
@@ -79,7 +79,7 @@ def _run(args, loss, config) -> dict:
     out = {"loss": loss, "config": config}
     with tempfile.TemporaryDirectory(prefix="topkd-inductor-") as cache:
         for which in ("cold", "warm"):
-            out[which] = harness.run_child("topkd.bench.compiling:run_case", vars(args), loss,
+            out[which] = harness.run_child("benchmarks.compiling:run_case", vars(args), loss,
                                            config, timeout=args.timeout,
                                            env={"TORCHINDUCTOR_CACHE_DIR": cache})
     out["status"] = "ok" if all(out[w].get("status") == "ok" for w in ("cold", "warm")) \
@@ -117,7 +117,7 @@ def _show(saved) -> str:
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="topkd-bench compile",
+        prog="python -m benchmarks compile",
         description="First-call compile time of impl='compile' per (loss, dtype, divergence, "
                     "options), cold and with inductor's on-disk cache warm.")
     p.add_argument("--loss", nargs="+", choices=LOSSES, default=list(LOSSES))

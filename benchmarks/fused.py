@@ -1,8 +1,8 @@
-"""Benchmark, fused LM-head section: ``python -m topkd.bench fused`` (or ``--fused``).
+"""Benchmark, fused LM-head section: ``python -m benchmarks fused`` (or ``--fused``).
 
 The student's logits are ``F.linear(hidden, weight)``; the fused losses take ``hidden`` and
 ``weight`` and never hold those logits whole. Cases, each in its own fresh, memory-capped
-process (:mod:`topkd.bench.harness`):
+process (:mod:`benchmarks.harness`):
 
 * ``fused`` ``topk``: ``topkd.fused_topk_kl_loss(hidden, weight, teacher_logits, K)``.
 * ``unfused`` ``topk``: ``z = F.linear(hidden, weight)``, ``topkd.topk_kl_loss(z,
@@ -47,15 +47,15 @@ Per case:
   the memory run, so Liger's ``torch.compile`` is not in it).
 * **errors**: the implementation is run again on the problem of ``--sample-rows`` rows alone
   (their hidden states and teacher, the whole weight; Liger with its chunk size scaled so that
-  it accumulates over as many chunks as in the full run) and compared with float64
-  (:mod:`topkd.bench.reference`): the student logits ``F.linear(hidden, weight)`` as every
-  implementation computes them, in the input dtype, upcast exactly (the teacher's likewise),
-  the loss in float64, ``dz64`` its gradient, and the chain rule ``dz64 @ W64`` and ``dz64.T @
-  h64``. loss rel err = ``|L - L64| / |L64|``; grad err = ``max |g - g64| / max |g64|``, in
-  brackets the floor (``g64`` rounded to the input dtype). The loss error against float64 of
-  the *exact* products (``h64 @ W64.T``, no rounding of the logits) is given too: it is
-  dominated by the rounding of the logits to the input dtype, which every implementation
-  shares.
+  it accumulates over as many chunks as in the full run) and compared with float64 (the
+  test suite's reference, ``tests/reference.py``): the student logits ``F.linear(hidden,
+  weight)`` as every implementation computes them, in the input dtype, upcast exactly (the
+  teacher's likewise), the loss in float64, ``dz64`` its gradient, and the chain rule ``dz64
+  @ W64`` and ``dz64.T @ h64``. loss rel err = ``|L - L64| / |L64|``; grad err = ``max |g -
+  g64| / max |g64|``, in brackets the floor (``g64`` rounded to the input dtype). The loss
+  error against float64 of the *exact* products (``h64 @ W64.T``, no rounding of the logits)
+  is given too: it is dominated by the rounding of the logits to the input dtype, which every
+  implementation shares.
 
 A small agreement check (``--no-verify`` skips it) runs the three ``kl`` implementations on a
 small problem in float32 and bf16 and prints their relative differences, Liger's ``beta=1``
@@ -70,7 +70,9 @@ import statistics
 import sys
 import time
 
-from . import harness, reference
+import reference  # the float64 reference, tests/reference.py (benchmarks/__init__.py)
+
+from . import harness
 from .harness import MiB
 
 IMPLS = ("fused", "unfused", "liger", "trl")
@@ -80,7 +82,7 @@ CASES = (("fused", "topk"), ("unfused", "topk"), ("fused", "kl"), ("unfused", "k
          ("trl", "jsd"))
 IMPL_LABELS = {"fused": "topkd fused", "unfused": "topkd unfused", "liger": "Liger",
                "trl": "TRL"}
-BETA = reference.JSD_BETA
+BETA = harness.JSD_BETA
 LOSS_LABELS = {
     ("fused", "topk"): "fused_topk_kl_loss",
     ("unfused", "topk"): "F.linear + topk_kl_loss",
@@ -223,14 +225,13 @@ def loss_function(impl, loss_kind, args, chunk_size=None):
 def _reference(loss_kind, z, t, args):
     """float64 loss (reduced as ``args.reduction``; ``none`` -> the sum, as the step's
     backward) and dz64."""
-    z = z.detach().double().requires_grad_(True)
+    reduction = "mean" if args.reduction == "mean" else "sum"
     if loss_kind == "topk":
-        per_row = reference.topk_loss(z, t, args.k, args.temperature)
-    else:
-        per_row = reference.full_loss(z, t, args.temperature, loss_kind)
-    loss = per_row.mean() if args.reduction == "mean" else per_row.sum()
-    loss.backward()
-    return loss.detach(), z.grad
+        return reference.loss_and_grad(reference.topk_loss, z, t, args.k,
+                                       temperature=args.temperature, reduction=reduction)
+    return reference.loss_and_grad(reference.full_loss, z, t, temperature=args.temperature,
+                                   divergence=harness.reference_divergence(loss_kind),
+                                   reduction=reduction)
 
 
 def accuracy(impl, loss_kind, args, inputs, full_chunks):
@@ -271,17 +272,17 @@ def accuracy(impl, loss_kind, args, inputs, full_chunks):
     res = {"sample_rows": sample, "loss_sample": got}
     l64, dz64 = _reference(loss_kind, z_low, t_low, args)
     res["loss_f64"] = l64.item()
-    res["loss_rel_err"] = reference.rel_err(got, l64.item())
+    res["loss_rel_err"] = harness.rel_err(got, l64.item())
     with torch.no_grad():
         for name, g, g64 in (("hidden", gh, dz64 @ w64), ("weight", gw, dz64.T @ h64)):
-            res[f"grad_{name}_err"], res[f"grad_{name}_floor"] = reference.grad_err(g, g64, dtype)
+            res[f"grad_{name}_err"], res[f"grad_{name}_floor"] = harness.grad_err(g, g64, dtype)
             del g64
     l64e, dz64e = _reference(loss_kind, z_exact, t_exact, args)
     res["loss_f64_exact"] = l64e.item()
-    res["loss_rel_err_exact"] = reference.rel_err(got, l64e.item())
+    res["loss_rel_err_exact"] = harness.rel_err(got, l64e.item())
     with torch.no_grad():
         for name, g, g64e in (("hidden", gh, dz64e @ w64), ("weight", gw, dz64e.T @ h64)):
-            res[f"grad_{name}_err_exact"] = reference.grad_err(g, g64e, dtype)[0]
+            res[f"grad_{name}_err_exact"] = harness.grad_err(g, g64e, dtype)[0]
     return res
 
 
@@ -462,9 +463,9 @@ class _Problem:
 
         with torch.no_grad():
             z, t = self._logits()
-            if reverse:  # KL(p || q) is KL with the roles swapped
-                z, t = t, z
-            return reference.full_loss(z, t, temperature, divergence).mean().item()
+            return reference.full_loss(z, t, temperature=temperature, reverse=reverse,
+                                       divergence=harness.reference_divergence(divergence),
+                                       reduction="mean").item()
 
     def kl(self, temperature) -> dict:
         res = {"fused": self._topkd(True, temperature),
@@ -513,7 +514,7 @@ class _Problem:
 def _run_case(args, impl, loss, kernels) -> dict:
     limit = harness.memory_limit(args.mem_limit_gib)
     result = {"impl": impl, "loss": loss, "kernels": kernels, "mem_limit_gib": limit}
-    result.update(harness.run_child("topkd.bench.fused:run_case",
+    result.update(harness.run_child("benchmarks.fused:run_case",
                                     {**vars(args), "mem_limit_gib": limit}, impl, loss,
                                     kernels, timeout=args.timeout))
     return result
@@ -659,7 +660,7 @@ def _fmt_val(x):
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="topkd-bench fused",
+        prog="python -m benchmarks fused",
         description="Fused LM-head section: topkd's fused losses vs the unfused path (F.linear "
                     "then the logits loss), Liger-Kernel's LigerFusedLinearJSDLoss (beta=0: "
                     f"forward KL; beta={BETA:g}: JSD) and TRL's chunked JSD: peak memory above "
@@ -725,7 +726,7 @@ def main(argv) -> int:
     verify = None
     if args.verify and "liger" in args.impl:
         print("agreement check (small shape) ...", file=sys.stderr, flush=True)
-        verify = harness.run_child("topkd.bench.fused:run_verify", vars(args),
+        verify = harness.run_child("benchmarks.fused:run_verify", vars(args),
                                    timeout=args.timeout)
 
     import torch

@@ -1,12 +1,12 @@
 """Benchmark, core section: topkd's losses against the plain float32 implementation they replace.
 
-``python -m topkd.bench`` (or ``topkd-bench``) runs every case, one case being
+``python -m benchmarks`` (from the repository root) runs every case, one case being
 (implementation, loss, divergence, rows), in its own fresh Python process whose address space
-is capped (:mod:`topkd.bench.harness`), so a case that runs out of memory shows as "out of
+is capped (:mod:`benchmarks.harness`), so a case that runs out of memory shows as "out of
 memory at N GiB" in the table instead of taking the machine down. Per case it reports:
 
 * **peak above inputs**: the peak of bytes allocated during one forward + backward, above
-  what was allocated before it (the logits), by the method of SPEC section 4: a
+  what was allocated before it (the logits), by the method the memory tests use: a
   ``torch.profiler.profile(profile_memory=True)`` around the step, the allocator events
   (``[memory]``, signed ``nbytes()``) walked in time order, running maximum. It includes the
   student gradient itself (1.0x the student logits' bytes). On CUDA it is
@@ -15,7 +15,8 @@ memory at N GiB" in the table instead of taking the machine down. Per case it re
 * **fwd+bwd s**: median wall time of ``--repeats`` forward + backward runs (``loss.sum()
   .backward()``, ``reduction="none"``) after one warm-up, measured without the profiler.
 * **loss rel err**: max over ``--sample-rows`` rows of ``|L - L64| / |L64|``, with ``L64``
-  the same loss definition computed in float64 on those rows (:mod:`topkd.bench.reference`).
+  the same loss definition computed in float64 on those rows by the test suite's reference
+  (``tests/reference.py``).
 * **grad err**: ``max |g - g64| / max |g64|`` over the sampled rows, with ``g64`` the float64
   autograd gradient. The table's footnote gives the floor that rounding ``g64`` to the logits'
   dtype alone produces.
@@ -37,7 +38,9 @@ Implementations (``--impl``):
   ``0.5 * |p - q|`` summed, from ``softmax`` of both over the whole vocabulary). Its loss error
   is measured against float64 on *its own* selection (``torch.topk`` breaks ties arbitrarily,
   and bf16 logits have many ties at the K-th value), so it shows the float32 and ``log1p``
-  error alone.
+  error alone (``loss_rel_err``; ``loss_rel_err_reference_selection`` in the saved results is
+  the same against float64 on the reference's selection, ties to the lower index; results
+  saved before it was renamed call it ``loss_rel_err_spec_selection``).
 * ``prefix`` (opt-in): a reconstruction of the pre-fix Model-Optimizer style Top-K loss, whose
   normalizers are computed as ``max``/``exp``/``sum`` on float32 copies of the whole logits
   (about five float32 copies alive at the backward peak). Top-K KL only.
@@ -50,15 +53,17 @@ import math
 import statistics
 import time
 
-from . import harness, reference
-from .harness import GiB, MiB
+import reference  # the float64 reference, tests/reference.py (benchmarks/__init__.py)
+
+from . import harness
+from .harness import JSD_BETA, GiB, MiB
 
 IMPLS = ("topkd", "naive", "prefix")
 DEFAULT_IMPLS = ("topkd", "naive")
 LOSSES = ("topk", "kl")
 LOSS_NAMES = {"topk": "topk_kl_loss", "kl": "kl_loss"}
 IMPL_LABELS = {"topkd": "topkd", "naive": "naive fp32", "prefix": "pre-fix style fp32"}
-DIVERGENCE_LABELS = {"kl": "KL", "jsd": f"JSD({reference.JSD_BETA:g})", "tvd": "TVD"}
+DIVERGENCE_LABELS = {"kl": "KL", "jsd": f"JSD({JSD_BETA:g})", "tvd": "TVD"}
 
 # Peak above the inputs, for the memory estimate made before a case is started: float32
 # copies of [rows, V], plus multiples of the student logits' bytes (the gradient). From the
@@ -98,7 +103,7 @@ def naive_divergence(student_logprobs, teacher_logprobs, divergence="kl"):
         return F.kl_div(student_logprobs, teacher_logprobs, reduction="none",
                         log_target=True).sum(-1)
     if divergence == "jsd":
-        beta = reference.JSD_BETA
+        beta = JSD_BETA
         mixture = torch.logsumexp(torch.stack([student_logprobs + math.log(1 - beta),
                                                teacher_logprobs + math.log(beta)]), dim=0)
         kl_teacher = F.kl_div(mixture, teacher_logprobs, reduction="none", log_target=True)
@@ -196,7 +201,7 @@ def loss_function(impl, loss, divergence, k, temperature, chunk_bytes, kernels="
 
         options = {"temperature": temperature, "chunk_bytes": chunk_bytes, "impl": kernels}
         if divergence == "jsd":
-            options["divergence"] = topkd.JSD(beta=reference.JSD_BETA)
+            options["divergence"] = topkd.JSD(beta=JSD_BETA)
         elif divergence == "tvd":
             options["divergence"] = topkd.TVD()
         if loss == "topk":
@@ -295,25 +300,25 @@ def run_case(args, impl, loss_kind, divergence, rows, kernels="-") -> dict:
         if sample:
             idx = torch.tensor(sample, device=args.device)
             got_loss = last["loss"][idx].double().cpu()
-            z = student.detach()[idx].cpu().double().requires_grad_(True)
-            t = teacher[idx].cpu().double()
+            z = student.detach()[idx].cpu()
+            t = teacher[idx].cpu()
+            options = {"temperature": args.temperature,
+                       "divergence": harness.reference_divergence(divergence)}
             own = None
             if loss_kind == "topk":
                 if impl != "topkd" and "indices" in _LAST_SELECTION:
                     own = _LAST_SELECTION["indices"][idx].cpu()
-                ref = reference.topk_loss(z, t, args.k, args.temperature, divergence,
-                                          indices=own)
+                ref, g64 = reference.loss_and_grad(reference.topk_loss, z, t, args.k,
+                                                   indices=own, **options)
             else:
-                ref = reference.full_loss(z, t, args.temperature, divergence)
-            ref.sum().backward()
-            result["loss_rel_err"] = reference.rel_err(got_loss, ref.detach())
-            result["grad_err"], result["grad_floor"] = reference.grad_err(
-                student.grad[idx].cpu(), z.grad, dtype)
-            if own is not None:  # also against SPEC's selection (ties to the lower index)
-                spec_ref = reference.topk_loss(z.detach(), t, args.k, args.temperature,
-                                               divergence)
-                result["loss_rel_err_spec_selection"] = reference.rel_err(got_loss, spec_ref)
-            result["loss_sample_mean"] = ref.detach().mean().item()
+                ref, g64 = reference.loss_and_grad(reference.full_loss, z, t, **options)
+            result["loss_rel_err"] = harness.rel_err(got_loss, ref)
+            result["grad_err"], result["grad_floor"] = harness.grad_err(
+                student.grad[idx].cpu(), g64, dtype)
+            if own is not None:  # also on the reference's selection (ties to the lower index)
+                ref_lower = reference.topk_loss(z, t, args.k, **options)
+                result["loss_rel_err_reference_selection"] = harness.rel_err(got_loss, ref_lower)
+            result["loss_sample_mean"] = ref.mean().item()
     return result
 
 
@@ -348,7 +353,7 @@ def _run_case(args, impl, loss, divergence, rows, kernels) -> dict:
                                 f"(--no-estimate runs it against the address-space cap)")
             return base
     settings = {**vars(args), "mem_limit_gib": limit}
-    base.update(harness.run_child("topkd.bench.core:run_case", settings, impl, loss, divergence,
+    base.update(harness.run_child("benchmarks.core:run_case", settings, impl, loss, divergence,
                                   rows, kernels, timeout=args.timeout))
     return base
 
@@ -500,13 +505,13 @@ def _parse_rows(text):
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="topkd-bench",
+        prog="python -m benchmarks",
         description="Benchmark topkd's KD losses against the plain float32 implementation: peak "
                     "memory above the inputs (profiler method), forward + backward time, error "
                     "vs float64. Every case runs in its own memory-capped process.",
         epilog="Fused LM-head section (fused_topk_kl_loss / fused_kl_loss vs F.linear + the "
-               "loss, Liger-Kernel and TRL): 'topkd-bench fused --help'. Teacher store "
-               "section: 'topkd-bench store --help'.",
+               "loss, Liger-Kernel and TRL): 'python -m benchmarks fused --help'. Teacher store "
+               "section: 'python -m benchmarks store --help'.",
     )
     p.add_argument("--rows", type=_parse_rows, nargs="+", default=[[256, 1024, 4096]],
                    help="sequence lengths (rows of logits), e.g. '256 1024' or 256,1024 "
@@ -523,8 +528,8 @@ def build_parser():
                    help="implementations (default: topkd naive; 'prefix' is opt-in)")
     p.add_argument("--loss", nargs="+", choices=LOSSES, default=list(LOSSES),
                    help="losses: topk (topk_kl_loss) and/or kl (kl_loss) (default both)")
-    p.add_argument("--divergence", nargs="+", choices=reference.DIVERGENCES, default=["kl"],
-                   help=f"divergences: kl, jsd (JSD(beta={reference.JSD_BETA:g})), tvd "
+    p.add_argument("--divergence", nargs="+", choices=harness.DIVERGENCES, default=["kl"],
+                   help=f"divergences: kl, jsd (JSD(beta={JSD_BETA:g})), tvd "
                         "(default kl)")
     p.add_argument("--chunk-bytes", type=harness.int_bytes, default=None,
                    help="chunk_bytes passed to topkd (e.g. 64MiB; default: the library's)")
@@ -553,7 +558,7 @@ def main(argv) -> int:
         return 0
     args.rows = [r for group in args.rows for r in group]
     cases = [(impl, loss, divergence, rows, kernels) for loss in LOSSES if loss in args.loss
-             for divergence in reference.DIVERGENCES if divergence in args.divergence
+             for divergence in harness.DIVERGENCES if divergence in args.divergence
              for rows in args.rows for impl in IMPLS if impl in args.impl
              for kernels in (args.kernels if impl == "topkd" else ["-"])
              if not (impl == "prefix" and (loss, divergence) != ("topk", "kl"))]

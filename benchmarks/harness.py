@@ -35,8 +35,26 @@ MiB = 2**20
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
-# the directory that holds the topkd package: children import the same topkd as the parent
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root, which holds this package: the children run ``python -m benchmarks``.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_pythonpath(existing: str | None) -> str:
+    """``PYTHONPATH`` for a child: the directory of the topkd this process imports (found
+    without importing it), then the repository root, then ``existing``; so a child imports
+    the same topkd and the same benchmarks as its parent, whatever its working directory."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("topkd")
+    topkd_dir = None
+    if spec is not None and spec.origin:
+        # topkd/__init__.py -> the directory that holds the topkd package
+        topkd_dir = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
+    parts = []
+    for p in (topkd_dir, _ROOT, *(existing or "").split(os.pathsep)):
+        if p and p not in parts:
+            parts.append(p)
+    return os.pathsep.join(parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,7 +94,7 @@ def run_child(target: str, settings: dict, *job, timeout: float | None,
     the child on top of this process's.
     """
     env = {**os.environ, **(env or {})}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = _child_pythonpath(env.get("PYTHONPATH"))
     with tempfile.TemporaryDirectory(prefix="topkd-bench-") as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         out_path = os.path.join(tmp, "result.json")
@@ -84,7 +102,7 @@ def run_child(target: str, settings: dict, *job, timeout: float | None,
         with open(spec_path, "w") as f:
             json.dump({"target": target, "settings": settings, "job": list(job),
                        "out": out_path}, f)
-        cmd = [sys.executable, "-m", "topkd.bench", "--child", spec_path]
+        cmd = [sys.executable, "-m", "benchmarks", "--child", spec_path]
         try:
             with open(err_path, "w") as err:
                 rc = subprocess.run(cmd, stdout=err, stderr=err, env=env,
@@ -170,7 +188,7 @@ def threads_of(results, requested: int) -> int:
 
 def run_meta(section: str, argv, t_start: float, load_start) -> dict:
     """The fields of a section's ``meta`` that describe the run itself."""
-    prefix = "python -m topkd.bench" + (f" {section}" if section else "")
+    prefix = "python -m benchmarks" + (f" {section}" if section else "")
     return {"python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "command": " ".join([prefix, *argv]),
             "total_s": time.perf_counter() - t_start, "loadavg_start": load_start,
@@ -430,6 +448,36 @@ def sample_rows(total: int, n: int) -> list[int]:
     included."""
     n = min(n, total)
     return sorted({round(i * (total - 1) / max(n - 1, 1)) for i in range(n)}) if total else []
+
+
+# --------------------------------------------------------------------------------------------
+# Errors against the float64 reference (the test suite's tests/reference.py, which the sections
+# import as ``reference``: see benchmarks/__init__.py)
+# --------------------------------------------------------------------------------------------
+
+DIVERGENCES = ("kl", "jsd", "tvd")  # the divergences the sections measure
+JSD_BETA = 0.5  # their JSD: beta KL(q || M) + (1 - beta) KL(p || M), M = beta q + (1 - beta) p
+
+
+def reference_divergence(name: str):
+    """A section's divergence name as the reference's ``divergence=`` (JSD at JSD_BETA)."""
+    return ("jsd", JSD_BETA) if name == "jsd" else name
+
+
+def rel_err(got, ref) -> float:
+    """``max |got - ref| / |ref|`` (elementwise over tensors, or of two numbers)."""
+    if isinstance(ref, (int, float)):
+        return abs(got - ref) / abs(ref)
+    return ((got - ref).abs() / ref.abs()).max().item()
+
+
+def grad_err(g, g64, dtype) -> tuple[float, float]:
+    """``(err, floor)``: ``max |g - g64| / max |g64|``, and the same for ``g64`` rounded to
+    ``dtype`` (what a correctly rounded gradient in that dtype gets)."""
+    scale = g64.abs().max().item()
+    err = (g.double() - g64).abs().max().item() / scale
+    floor = (g64.to(dtype).double() - g64).abs().max().item() / scale
+    return err, floor
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Benchmark, teacher store section: ``python -m topkd.bench store``.
+"""Benchmark, teacher store section: ``python -m benchmarks store``.
 
-Measures :mod:`topkd.store` at the sizes of the issue (K = 64, V = 248,320), for each
+Measures :mod:`topkd.store` at K = 64, V = 248,320 (the default sizes), for each
 ``logprob_dtype`` (bfloat16, float16, float32), without top-p and with ``top_p`` (0.95): a store
 is written by :class:`~topkd.store.TeacherStoreWriter` into a temporary directory and read back
 by :class:`~topkd.store.TeacherStore`. Each phase runs in its own fresh Python process:
@@ -12,7 +12,7 @@ by :class:`~topkd.store.TeacherStore`. Each phase runs in its own fresh Python p
   ``--tokens`` rows reuse that pool under distinct sample ids and distinct random token ids
   (the token hash differs per sequence); the selection is not timed.
 * **bytes per token**: the store's shard files over its token rows (the manifest, about 400 B
-  per store, is left out and given apart), next to the issue's bound ``6 K + 16`` for 2-byte
+  per store, is left out and given apart), next to the size target ``6 K + 16`` for 2-byte
   log-probs (``8 K + 16`` for float32) and to the payload (``K x (4 + the log-prob's bytes)``
   plus 4 for the ghost log-mass, plus 4 for the count in a top-p shard).
 * **write**: tokens/s and MB/s (10^6 bytes of shard files per second) of the writer alone:
@@ -141,7 +141,7 @@ def _write_store(args, path, dtype, top_p, pool, sequences, ids_of):
     t0 = time.perf_counter()
     writer = TeacherStoreWriter(path, k=args.k, vocab_size=args.vocab, top_p=top_p,
                                 logprob_dtype=dtype, shard_bytes=args.shard_bytes,
-                                metadata={"benchmark": "topkd.bench store"})
+                                metadata={"benchmark": "benchmarks store"})
     flush = writer.flush
 
     def timed_flush():  # add() and close() call self.flush: time the shard writes apart
@@ -530,7 +530,7 @@ def _run_child(args, phase, *job) -> dict:
     """One phase (``run_write``, ``run_read``, ``run_loss``) in a fresh process; its wall time,
     process start included, as ``process_s``."""
     t0 = time.perf_counter()
-    result = harness.run_child(f"topkd.bench.store:{phase}", vars(args), *job,
+    result = harness.run_child(f"benchmarks.store:{phase}", vars(args), *job,
                                timeout=args.timeout, echo=True)
     result["process_s"] = time.perf_counter() - t0
     return result
@@ -660,7 +660,7 @@ def format_table(saved) -> str:
         "B / token = shard files' bytes / token rows (the manifest, "
         f"{stores[0]['manifest_bytes'] if stores else 0} B per store, apart); payload = "
         "kept entries x (4 B index + the log-prob's bytes) + 4 B ghost log-mass (+ 4 B count "
-        "per row in top-p shards); bound = the issue's 6K+16 for 2-byte log-probs (8K+16 for "
+        "per row in top-p shards); bound = the size target 6K+16 for 2-byte log-probs (8K+16 for "
         "float32, for reference). write = the writer alone (construction, add of every "
         "sequence, close; each shard and the directory fsynced), median of the writes after "
         "an untimed warm-up write, MB = 10^6 B of shards. read = a fresh process with "
@@ -757,7 +757,7 @@ def format_table(saved) -> str:
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="topkd-bench store",
+        prog="python -m benchmarks store",
         description="Teacher store section: bytes per token on disk, write throughput "
                     "(fsync included), random-access read throughput in a fresh process, and "
                     "the loss from the store against the online Top-K loss, for bf16, fp16 "

@@ -1,4 +1,4 @@
-"""Benchmark, Megatron section: ``python -m topkd.bench megatron``.
+"""Benchmark, Megatron section: ``python -m benchmarks megatron``.
 
 The Model-Optimizer Megatron criteria on the same ``[s, b, V/TP]`` logits, tensor-parallel:
 topkd's ``TopKLogitsKLLoss`` and ``LogitsKLLoss`` (:mod:`topkd.integrations.modelopt`, default
@@ -8,7 +8,7 @@ renormalized over the K entries; the whole-vocabulary loss as partial sums with
 ``tp_reduce=True``). Both run in megatron-core's ``parallel_state`` with TP gloo ranks on this
 machine (CPU).
 
-Each case runs in its own fresh process (:mod:`topkd.bench.harness`), which starts the TP ranks;
+Each case runs in its own fresh process (:mod:`benchmarks.harness`), which starts the TP ranks;
 every rank caps its own address space, makes its shard of the student logits (requiring grad)
 and of the teacher logits in the input dtype (rank-seeded, in row chunks), then:
 
@@ -288,7 +288,7 @@ def format_table(results, meta) -> str:
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="topkd-bench megatron",
+        prog="python -m benchmarks megatron",
         description="Megatron section: topkd's Model-Optimizer criteria (TopKLogitsKLLoss, "
                     "LogitsKLLoss) against Model-Optimizer 0.47's on the same [s, b, V/TP] "
                     "logits, at TP gloo ranks on this CPU: per-rank peak memory and forward + "
@@ -349,7 +349,7 @@ def main(argv) -> int:
         impl, loss, kernels = case
         r = {"impl": impl, "loss": loss, "kernels": kernels,
              "mem_limit_gib": args.mem_limit_gib}
-        r.update(harness.run_child("topkd.bench.megatron:run_case", vars(args), impl, loss,
+        r.update(harness.run_child("benchmarks.megatron:run_case", vars(args), impl, loss,
                                    kernels, timeout=args.timeout + 120))
         return r
 

@@ -1,15 +1,15 @@
-"""``python -m topkd.bench [fused | store | compile | trainer | megatron] [options]`` (or
-``topkd-bench``): one section.
+"""``python -m benchmarks [fused | store | compile | trainer | megatron] [options]``, from the
+repository root: one section.
 
-No section: the core losses against the plain float32 code (:mod:`topkd.bench.core`);
-``fused`` (or ``--fused``): the fused LM-head losses (:mod:`topkd.bench.fused`); ``store``: the
-offline teacher store (:mod:`topkd.bench.store`); ``compile``: the compiled kernels' first-call
-cost, cold and from inductor's on-disk cache (:mod:`topkd.bench.compiling`); ``trainer``:
-whole training runs of ``KDTrainer`` against TRL's ``GKDTrainer`` (:mod:`topkd.bench.trainer`);
+No section: the core losses against the plain float32 code (:mod:`benchmarks.core`);
+``fused`` (or ``--fused``): the fused LM-head losses (:mod:`benchmarks.fused`); ``store``: the
+offline teacher store (:mod:`benchmarks.store`); ``compile``: the compiled kernels' first-call
+cost, cold and from inductor's on-disk cache (:mod:`benchmarks.compiling`); ``trainer``:
+whole training runs of ``KDTrainer`` against TRL's ``GKDTrainer`` (:mod:`benchmarks.trainer`);
 ``megatron``: topkd's Model-Optimizer Megatron criteria against Model-Optimizer's own at TP
-gloo ranks (:mod:`topkd.bench.megatron`).
+gloo ranks (:mod:`benchmarks.megatron`).
 ``--child SPEC``
-is the harness's own child process (:func:`topkd.bench.harness.run_child`).
+is the harness's own child process (:func:`benchmarks.harness.run_child`).
 """
 
 from __future__ import annotations
