@@ -10,10 +10,9 @@ grad. Logit scale and softcap (Gemma, Cohere) apply to the products, as in the m
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from . import _checks, parallel, sources
-from .engine import Call, Config, path_class
+from . import _checks, memory, parallel
+from .engine import Call, Config
 from .losses import (
     KL_OPTIONS,
     TOPK_OPTIONS,
@@ -23,81 +22,15 @@ from .losses import (
     run,
     sparse_tensors,
 )
+from .parallel import AllReduceGradient as _AllReduceGradient
 from .select import select_rows
-from .sources import (
-    MIN_CHUNK_BYTES,
-    BlockedRows,
-    LinearRows,
-    Rows,
-    budget_bytes,
-    chunk_rows,
-    least_rows,
-    product_dtype,
-)
+from .sources import BlockedSource, LinearSource, LogitsSource, product_dtype
 from .teacher import SparseTeacher
-
-
-class _AllReduceGradient(torch.autograd.Function):
-    """Identity forward; SUM all-reduce of the gradient in backward (Megatron's
-    ``copy_to_tensor_model_parallel_region``)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def _one_pass(tensors, reduction) -> bool:
     return (reduction != "none" and torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in tensors))
-
-
-# The fused losses make the logits with one matrix product per block of rows and stage the
-# logits gradient for the products that make the hidden states' and weight's gradients (see
-# BlockedRows, LinearGradient); those products run near full speed from ~100 rows. By default
-# the blocks and the float32 work chunks share a fifth of the bytes the logits would take (at
-# most 512 MiB): 80% for the blocks, 20% for the work chunks. A teacher given as (hidden,
-# weight) gets blocks a quarter as tall as the student's: its blocks only feed its own
-# product, while the student's also set how often the weight's float32 accumulator is read
-# and written (once per block), which costs more than a shorter teacher product.
-_FUSED_CHUNK_BYTES = 512 * 2**20
-_FUSED_FRACTION = 5
-_TEACHER_BLOCK_DIVISOR = 4
-
-
-def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks, compiled=False,
-            workspace=0):
-    """``(work chunk rows, student block rows, teacher block rows)``, the teacher's only with
-    ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the engine
-    combines statistics per chunk, so every rank must cut the same chunks. One-pass losses
-    stage the student's gradient in its own blocks; the two-pass ones hold a stage of that many
-    rows but no student block. ``workspace``: what a matrix product allocates while it runs
-    (:func:`~topkd.sources.gemm_workspace`), taken from the default budget so that the peak,
-    products included, stays within it."""
-    width = shard.widest + 1
-    total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // 5
-    if total is None:
-        # By default at least 1 MiB, all of it for the work chunks if need be: at small shapes
-        # the per-chunk overhead, not the products' speed or the memory, is what counts;
-        # less where the products' workspace takes some of it.
-        total = min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION)
-        total = max(total, MIN_CHUNK_BYTES) - workspace
-        work = max(total // 5, min(MIN_CHUNK_BYTES, total))
-    row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
-    per = least_rows(chunk_rows(work, width, rows, element, buffers=buffers), compiled)
-    # The blocks get what the work chunks leave (at least 4/5, unless a chunk had to be made
-    # taller than its fifth), in whole chunks: a block starts at a chunk, so a remainder would
-    # be made again.
-    rest = max(0, total - per * 4 * width * buffers)
-    block = max(per, int(rest // row_bytes) // per * per)
-    teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
-    return per, block, teacher_block
 
 
 def _check_linear(prefix: str, hidden, weight, bias) -> None:
@@ -162,13 +95,10 @@ def _transforms(logit_scale, softcap, teacher_logit_scale, teacher_softcap) -> d
 def _config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels, sparse,
             teacher_blocks) -> Config:
     cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
-    # the work chunks' fifth of the budget over at least three float32 buffers (issue 3's
-    # measured split): the one-pass loop's temporaries live beside the chunk
-    buffers = max(3, path_class(cfg, sparse).buffers(cfg, labels))
     dtype = product_dtype(hidden.dtype, weight.dtype)
-    per, block, teacher_block = _budget(chunk_bytes, shard, n, dtype.itemsize, buffers,
-                                        teacher_blocks, cfg.compiled,
-                                        sources.gemm_workspace(dtype, hidden.device))
+    per, block, teacher_block = memory.fused_rows(cfg, sparse, labels, chunk_bytes,
+                                                  shard.widest, n, dtype, hidden.device,
+                                                  teacher_blocks)
     return Config(**{**cfg.__dict__, "rows_per_chunk": per, "block_rows": block,
                      "teacher_block_rows": teacher_block})
 
@@ -282,25 +212,25 @@ def fused_topk_kl_loss(
     if isinstance(teacher, SparseTeacher):
         teacher_tensors = sparse_tensors(teacher, n)
     else:
-        teacher_source = Rows(named["teacher"]) if "teacher" in named else LinearRows(
+        teacher_source = LogitsSource(named["teacher"]) if "teacher" in named else LinearSource(
             named["teacher_hidden"], named["teacher_weight"], named["teacher_bias"])
         # One budget for the whole call (the chunks' own row counts would shrink it).
-        teacher_bytes = budget_bytes(chunk_bytes, n, shards["teacher"].width,
-                                     teacher_source.element_size)
+        teacher_bytes = memory.budget_bytes(chunk_bytes, n, shards["teacher"].width,
+                                            teacher_source.element_size)
 
         def select(source):
             return select_rows(source, k, top_p, top_p_min_k, cfg.temperature, vocab,
                                shards["teacher"], process_group, teacher_bytes,
-                               budget_factor=1, logit_scale=cfg.teacher_logit_scale,
-                               softcap=cfg.teacher_softcap, compiled=cfg.compiled)
+                               fused=True, logit_scale=cfg.teacher_logit_scale,
+                               softcap=cfg.teacher_softcap, backend=cfg.backend)
 
         if one_pass:  # the [rows, K] targets exist one chunk at a time
             teacher_tensors = dict.fromkeys(("indices", "logprobs", "rest"))
-            if isinstance(teacher_source, LinearRows):
-                teacher_source = BlockedRows(teacher_source, cfg.teacher_block_rows)
+            if isinstance(teacher_source, LinearSource):
+                teacher_source = BlockedSource(teacher_source, cfg.teacher_block_rows)
 
             def teacher_rows(start, stop):
-                return select(teacher_source.rows(start, stop))
+                return select(teacher_source.slice(start, stop))
         else:
             teacher_tensors = sparse_tensors(select(teacher_source), n)
     call = Call(cfg, sparse=True, student=("hidden", "weight", "bias"),

@@ -8,19 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, compiled, parallel
+from . import _checks, backends, memory, parallel
 from .divergences import resolve
-from .engine import (
-    Call,
-    Config,
-    LossParts,
-    RowLoss,
-    ScalarLoss,
-    path_class,
-    row_chunk_count,
-)
+from .engine import Call, Config, LossParts, RowLoss, ScalarLoss
 from .select import select_rows
-from .sources import Rows
+from .sources import LogitsSource
 from .teacher import SparseTeacher
 
 _SPARSE_NAMES = ("indices", "logprobs", "rest")
@@ -39,7 +31,7 @@ def objective(divergence, reverse, labels, ignore_index, kd_weight, ce_weight, l
     if labels is None and ce_weight != 0:
         raise ValueError(f"ce_weight={ce_weight} needs labels= (the hard-label term)")
     fields = {"divergence": div, "kd_weight": kd_weight, "ce_weight": ce_weight,
-              "ignore_index": ignore_index, "compiled": compiled.use_compile(impl, device)}
+              "ignore_index": ignore_index, "backend": backends.choose(impl, device)}
     return fields, labels
 
 
@@ -109,10 +101,8 @@ def _logits_config(fields, temperature, normalize, shard, vocab, group, chunk_by
                    element_size, labels, sparse) -> Config:
     cfg = Config(temperature=temperature, normalize=normalize, offset=shard.offset,
                  valid=shard.valid(vocab), group=group, **fields)
-    path = path_class(cfg, sparse)
-    per, backward = (row_chunk_count(chunk_bytes, n, shard.widest, element_size,
-                                     path.buffers(cfg, labels, backward), cfg.compiled)
-                     for backward in (False, True))
+    per, backward = memory.logits_rows(cfg, sparse, labels, chunk_bytes, n, shard.widest,
+                                       element_size)
     return Config(**{**cfg.__dict__, "rows_per_chunk": per, "backward_rows_per_chunk": backward})
 
 
@@ -250,9 +240,9 @@ def topk_kl_loss(
                                ("teacher_logits", shards["teacher"].total))
     k = _checks.integer("k", k, 1, vocab)
     _checks.label_range(labels, fields["ignore_index"], vocab)
-    teacher = select_rows(Rows(teacher_logits.detach()), k, top_p, top_p_min_k, temperature,
-                          vocab, shards["teacher"], process_group, chunk_bytes,
-                          compiled=fields["compiled"])
+    teacher = select_rows(LogitsSource(teacher_logits.detach()), k, top_p, top_p_min_k,
+                          temperature, vocab, shards["teacher"], process_group, chunk_bytes,
+                          backend=fields["backend"])
     cfg = _logits_config(fields, temperature, normalize, shards["student"], vocab,
                          process_group, chunk_bytes, n, student_logits.element_size(), labels,
                          True)
@@ -336,7 +326,7 @@ def check_options(options: dict, allowed: set[str]) -> None:
     if "normalize" in options:
         _checks.choice("normalize", options["normalize"], _checks.NORMALIZE)
     resolve(options.get("divergence", "kl"), options.get("reverse", False))
-    compiled.check_impl(options.get("impl", "auto"))
+    backends.check_impl(options.get("impl", "auto"))
     for name in ("kd_weight", "ce_weight"):
         if name in options:
             _checks.weight(name, options[name])

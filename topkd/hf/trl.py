@@ -19,7 +19,8 @@ from .. import _checks
 from ..divergences import JSD
 from ..fused import fused_kl_loss, fused_topk_kl_loss
 from ..losses import TOPK_OPTIONS, check_options
-from ..sources import chunk_rows, product_dtype, row_chunks
+from ..memory import chunk_rows, row_chunks
+from ..sources import product_dtype
 
 _TRL_MODULE = "trl.trainer.distillation_trainer"
 _TRL_NAME = "_chunked_divergence_loss"
