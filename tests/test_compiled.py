@@ -17,7 +17,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import topkd
-import topkd.compiled
+import topkd.backends
+import topkd.backends.compiled
 
 V, K, H, H_T = 96, 7, 16, 12
 BF16, F32 = torch.bfloat16, torch.float32
@@ -179,12 +180,12 @@ def no_compiler(monkeypatch):
     """A CPU without a usable C++ compiler, as inductor's own search sees it."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(topkd.compiled, "_warned", set())
-    monkeypatch.delenv(topkd.compiled.ENV, raising=False)
+    monkeypatch.setattr(topkd.backends, "_warned", set())
+    monkeypatch.delenv(topkd.backends.ENV, raising=False)
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
-        assert topkd.compiled.compiler_missing("cpu") is not None
+        assert topkd.backends.compiled.compiler_missing("cpu") is not None
         yield
-    assert topkd.compiled.compiler_missing("cpu") is None
+    assert topkd.backends.compiled.compiler_missing("cpu") is None
 
 
 def _forbid_compiled(monkeypatch):
@@ -194,7 +195,7 @@ def _forbid_compiled(monkeypatch):
         def boom(*args, _name=name, **kwargs):
             raise AssertionError(f"compiled kernel {_name} ran")
 
-        monkeypatch.setattr(topkd.compiled, name, boom)
+        monkeypatch.setattr(topkd.backends.compiled, name, boom)
 
 
 def test_auto_falls_back_with_one_warning(no_compiler, monkeypatch):
@@ -276,14 +277,14 @@ def test_compiled_gradient_chunk_is_not_float32_for_bf16(monkeypatch):
     """The compiled gradient of bf16 logits is written in bf16 (the sink's dtype), not as a
     float32 chunk converted afterwards."""
     seen = []
-    real = topkd.compiled.sparse_gradient
+    real = topkd.backends.compiled.sparse_gradient
 
     def spy(*args):
         out = real(*args)
         seen.append(out.dtype)
         return out
 
-    monkeypatch.setattr(topkd.compiled, "sparse_gradient", spy)
+    monkeypatch.setattr(topkd.backends.compiled, "sparse_gradient", spy)
     d = _data(BF16)
     _call("topk_kl_loss", d, "compile")
     assert seen and set(seen) == {BF16}
@@ -293,7 +294,7 @@ def test_compiling_says_so_once_per_configuration(caplog, monkeypatch):
     """The first call of a configuration stops for seconds: it is logged (a WARNING the first
     time in a process, shown by default, naming TOPKD_IMPL=eager; INFO for every kernel of a
     new configuration), and a second call of the same configuration logs nothing."""
-    monkeypatch.setattr(topkd.compiled, "_seen", set())  # as in a fresh process
+    monkeypatch.setattr(topkd.backends.compiled, "_seen", set())  # as in a fresh process
     d = _data(F32)
     caplog.set_level("INFO", logger="topkd")
     topkd.kl_loss(d["s"], d["t"], impl="compile")

@@ -546,13 +546,13 @@ def _peak_not_counting(fn, allowed):
 @pytest.fixture(params=["native", "onednn"])
 def gemm(request, monkeypatch):
     """The matrix products as this CPU runs them, or as oneDNN runs bf16 products on AVX512 /
-    AMX CPUs: a scratchpad of :func:`topkd.sources.gemm_workspace` bytes allocated through
+    AMX CPUs: a scratchpad of :func:`topkd.memory.gemm_workspace` bytes allocated through
     PyTorch's allocator for the length of every product (emulated, so the bound is checked
     for both kinds of CPU on either)."""
     if request.param == "onednn":
-        from topkd import sources
+        from topkd import memory, sources
 
-        workspace = torch.get_num_threads() * sources.ONEDNN_WORKSPACE_PER_THREAD
+        workspace = torch.get_num_threads() * memory.ONEDNN_WORKSPACE_PER_THREAD
         product = sources.matmul
 
         def with_scratchpad(*args, **kwargs):
@@ -562,7 +562,7 @@ def gemm(request, monkeypatch):
             return out
 
         monkeypatch.setattr(sources, "matmul", with_scratchpad)
-        monkeypatch.setattr(sources, "gemm_workspace",
+        monkeypatch.setattr(memory, "gemm_workspace",
                             lambda dtype, device: 0 if dtype == torch.float32 else workspace)
     return request.param
 
@@ -639,9 +639,9 @@ def test_peak_memory_bound_with_the_cpu_capped_at_avx2(tmp_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
            "MKL_ENABLE_INSTRUCTIONS": "AVX2", "TOPKD_IMPL": "eager",
            "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
-    code = ("import torch, test_fused as t; from topkd import sources\n"
+    code = ("import torch, test_fused as t; from topkd import memory\n"
             "assert torch.backends.cpu.get_cpu_capability() in ('AVX2', 'DEFAULT')\n"
-            "assert sources.gemm_workspace(torch.bfloat16, torch.device('cpu')) == 0\n"
+            "assert memory.gemm_workspace(torch.bfloat16, torch.device('cpu')) == 0\n"
             "print([round(t.peak_ratio(c), 3) for c in ('topk-logits-128', 'kl-pair-128')])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, timeout=300, cwd=tmp_path)

@@ -11,8 +11,10 @@ supplies that term twice:
   autograd. The chunk gradient is then ``dD/da_j = h_j - p_j * sum_k h_k``. The base class
   derives ``h`` from :meth:`pointwise` by autograd; a class overrides it to save the passes.
 
-So a new divergence is one new class here with :meth:`pointwise` (and a name in ``_NAMES``);
-nothing else changes. Every term whose weight is exactly 0 is exactly 0, never NaN, in value
+A divergence is math only: how a backend passes over the chunks, what it holds in memory and
+what it compiles are the engine's, the backends' and :mod:`topkd.memory`'s. So a new
+divergence is one new class here with :meth:`pointwise` (and a name in ``_NAMES``); nothing
+else changes. Every term whose weight is exactly 0 is exactly 0, never NaN, in value
 and gradient.
 """
 
@@ -24,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks, kernels
-from .kernels import finite_or_zero
+from . import _checks
 
 _NEG_INF = float("-inf")
 
@@ -72,13 +73,6 @@ class Divergence:
     """Base class: ``D(q, p) = sum_j f(log p_j, log q_j)`` over the buckets it is given."""
 
     name = "divergence"
-    # Float32 chunk-sized buffers the full-vocabulary math holds at once (the chunk budget):
-    # the two chunks, their exponentials and what :meth:`terms` makes.
-    buffers = 7
-    backward_buffers = 7  # the same, for the gradient's pass (no collectives there)
-    # Whether :meth:`terms`' ``h`` can be NaN (a zero weight times an infinite log); when it
-    # cannot, the compiled gradient skips cleaning it.
-    h_may_be_nan = True
 
     def pointwise(self, logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
         """Elementwise ``f`` of float32 log-probabilities (``-inf`` for zero mass)."""
@@ -104,26 +98,6 @@ class Divergence:
                 return f, torch.zeros_like(lp)
             (h,) = torch.autograd.grad(f.sum(), lp)
         return f.detach(), h
-
-    # The full-vocabulary math per chunk, driven by topkd.engine.DensePath: statistics of this
-    # shard, the terms once the normalizers are global, the gradient. These defaults use
-    # :meth:`terms`; a divergence may override them to need fewer passes (see _CenteredKL).
-
-    def dense_statistics(self, a, b):
-        """``(maxima [r, 2], sums [r, 2], state)`` of the chunks ``a = z/T``, ``b = t/T``."""
-        return kernels.dense_statistics(a, b)
-
-    def dense_terms(self, state, log_shift, scale):
-        """``(D row sums, h row sums, gradient state)`` (see :func:`kernels.dense_terms`)."""
-        return kernels.dense_terms(self, state, log_shift, scale)
-
-    def dense_refresh(self, a, b, row_max, row_sum):
-        """The gradient state of fresh chunks from the global row maxima and sums (backward)."""
-        return kernels.dense_refresh(self, a, b, row_max, row_sum)
-
-    def dense_gradient(self, state, h_sum, grad_kd, grad_norm_ce, temperature):
-        """The chunk's ``d loss / d (logits)`` (see :func:`kernels.dense_gradient_`)."""
-        return kernels.dense_gradient_(state, h_sum, grad_kd, grad_norm_ce, temperature)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -151,70 +125,10 @@ class _MixtureWeight(Divergence):
         return f"{type(self).__name__}({field.name}={getattr(self, field.name)})"
 
 
-class _CenteredKL(Divergence):
-    """KL in either direction over the whole vocabulary in the passes of the plain KL: the
-    terms are sums of ``exp(w) * (w - o)`` over the chunks centered on their maxima, so the
-    exponentials are taken in place and no normalized log-probabilities are made."""
-
-    buffers = 3  # the two chunks (their exponentials in place) and w - o
-    backward_buffers = 2
-    teacher_weighted = True  # KL(q || p): the teacher's q weights the terms
-
-    def _columns(self):
-        return (1, 0) if self.teacher_weighted else (0, 1)
-
-    def dense_statistics(self, a, b):
-        maxima = kernels.center_(a, b)
-        w, o = (b, a) if self.teacher_weighted else (a, b)
-        diff = w - o
-        a.exp_()
-        b.exp_()
-        sums = torch.stack([a.sum(-1), b.sum(-1)], -1)
-        return maxima, sums, (a, b, diff, sums)
-
-    def dense_terms(self, state, log_shift, scale):
-        ea, eb, diff, sums = state
-        w, o = self._columns()
-        e_w = (ea, eb)[w]
-        # sum_j w_j (log w_j - log o_j), w_j = e_w * scale_w, log w_j = c_w - log_shift_w;
-        # the reverse direction's gradient needs a - b again, so it keeps diff
-        product = diff.mul_(e_w) if self.teacher_weighted else diff * e_w
-        weighted = torch.nansum(product, -1)  # 0 * inf: a zero weight
-        offset = torch.where(sums[:, w] > 0, log_shift[:, o] - log_shift[:, w], 0.0)
-        f_sum = scale[:, w] * (weighted + offset * sums[:, w])
-        f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), f_sum)
-        mass = scale * sums  # this shard's share of p and q
-        # h = -q for KL(q || p); h = p (log p - log q) + p for KL(p || q)
-        h_sum = -mass[:, 1] if self.teacher_weighted else f_sum + mass[:, 0]
-        return f_sum, h_sum, (ea, eb, log_shift, scale,
-                              None if self.teacher_weighted else diff)
-
-    def dense_refresh(self, a, b, row_max, row_sum):
-        row_max = finite_or_zero(row_max)
-        a.sub_(row_max[:, :1])
-        b.sub_(row_max[:, 1:])
-        diff = None if self.teacher_weighted else a - b
-        return (a.exp_(), b.exp_(), row_sum.log(), 1 / row_sum, diff)
-
-    def dense_gradient(self, state, h_sum, grad_kd, grad_norm_ce, temperature):
-        ea, eb, log_shift, scale, diff = state
-        # dD/da = h - p sum h, with p = ea * scale_p and q = eb * scale_q
-        coef = (grad_kd * h_sum - grad_norm_ce) / temperature
-        if self.teacher_weighted:  # h = -q
-            ea.mul_((-coef * scale[:, 0])[:, None])
-            return ea.sub_(eb.mul_((grad_kd * scale[:, 1] / temperature)[:, None]))
-        # h = p (log p - log q + 1), log p - log q = (a - b) + log_shift_q - log_shift_p
-        row = grad_kd * (log_shift[:, 1] - log_shift[:, 0] + 1) / temperature - coef
-        diff.mul_((grad_kd / temperature)[:, None]).add_(row[:, None])
-        grad = ea.mul_(scale[:, :1]).mul_(diff)
-        return grad.nan_to_num_(0.0, float("inf"), _NEG_INF)
-
-
-class KL(_CenteredKL):
+class KL(Divergence):
     """``KL(q || p) = sum q (log q - log p)``: forward KL, the teacher as the target."""
 
     name = "kl"
-    h_may_be_nan = False  # h = -q
 
     def pointwise(self, logp, logq):
         return kl_terms(logq, logp)
@@ -223,12 +137,10 @@ class KL(_CenteredKL):
         return _times(logq.sub_(logp), q), q.neg_()
 
 
-class ReverseKL(_CenteredKL):
+class ReverseKL(Divergence):
     """``KL(p || q) = sum p (log p - log q)``: reverse KL, mode-seeking."""
 
     name = "reverse_kl"
-    teacher_weighted = False
-    buffers = backward_buffers = 4  # and a - b kept for the gradient
 
     def pointwise(self, logp, logq):
         return kl_terms(logp, logq)
@@ -326,7 +238,6 @@ class TVD(Divergence):
     """Total variation distance ``0.5 * sum |q - p|`` (its subgradient is 0 where ``p = q``)."""
 
     name = "tvd"
-    buffers = backward_buffers = 6
 
     def pointwise(self, logp, logq):
         return 0.5 * (logq.exp() - logp.exp()).abs()
@@ -334,6 +245,12 @@ class TVD(Divergence):
     def terms(self, logp, logq, p, q):
         diff = p.sub(q)
         return diff.abs().mul_(0.5), diff.sign_().mul_(p).mul_(0.5)
+
+
+def has_own_terms(divergence: Divergence) -> bool:
+    """Whether ``divergence`` defines :meth:`Divergence.terms` itself (rather than deriving
+    it from :meth:`~Divergence.pointwise` by autograd): a compiled backend can trace it."""
+    return type(divergence).terms is not Divergence.terms
 
 
 _NAMES = {cls.name: cls for cls in (KL, ReverseKL, JSD, SkewKL, SkewReverseKL, TVD)}

@@ -12,22 +12,13 @@ function with their own keyword signatures.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from . import _checks, compiled, parallel, sources
-from .engine import Call, Config, LossParts, RowLoss, ScalarLoss, path_class, row_chunk_count
+from . import _checks, backends, memory, parallel
+from .engine import Call, Config, LossParts, RowLoss, ScalarLoss
 from .options import KDOptions
+from .parallel import AllReduceGradient
 from .select import select_rows
-from .sources import (
-    MIN_CHUNK_BYTES,
-    BlockedRows,
-    LinearRows,
-    Rows,
-    budget_bytes,
-    chunk_rows,
-    least_rows,
-    product_dtype,
-)
+from .sources import BlockedSource, LinearSource, LogitsSource, product_dtype
 from .teacher import SparseTeacher
 
 _SPARSE_NAMES = ("indices", "logprobs", "rest")
@@ -113,34 +104,34 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
     _checks.label_range(labels, fields["ignore_index"], vocab)
     cfg = _config(fields, options, shards["student"], vocab, n, student_tensors, labels,
                   sparse=True, teacher_blocks=fused and "teacher" not in teacher_tensors)
-    source = (Rows(teacher_tensors["teacher"]) if "teacher" in teacher_tensors
-              else LinearRows(*teacher_tensors.values()))
+    source = (LogitsSource(teacher_tensors["teacher"]) if "teacher" in teacher_tensors
+              else LinearSource(*teacher_tensors.values()))
     if not fused:
         teacher = select_rows(source, k, options.top_p, options.top_p_min_k, temperature, vocab,
                               shards["teacher"], options.process_group, options.chunk_bytes,
-                              compiled=cfg.compiled)
+                              backend=cfg.backend)
         return _run(_sparse_call(cfg, student_tensors, n),
                     {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
                     lead_shape=lead, labels=labels)
     # One selection budget for the whole call (the chunks' own row counts would shrink it).
-    teacher_bytes = budget_bytes(options.chunk_bytes, n, shards["teacher"].width,
-                                 source.element_size)
+    teacher_bytes = memory.budget_bytes(options.chunk_bytes, n, shards["teacher"].width,
+                                        source.element_size)
 
     def select(rows):
         return select_rows(rows, k, options.top_p, options.top_p_min_k, temperature, vocab,
                            shards["teacher"], options.process_group, teacher_bytes,
-                           budget_factor=1, logit_scale=cfg.teacher_logit_scale,
-                           softcap=cfg.teacher_softcap, compiled=cfg.compiled)
+                           fused=True, logit_scale=cfg.teacher_logit_scale,
+                           softcap=cfg.teacher_softcap, backend=cfg.backend)
 
     one_pass = _one_pass(student_tensors.values(), options.reduction)
     teacher_rows = None
     if one_pass:  # the [rows, K] targets exist one chunk at a time
         teacher_tensors = dict.fromkeys(_SPARSE_NAMES)
-        if isinstance(source, LinearRows):
-            source = BlockedRows(source, cfg.teacher_block_rows)
+        if isinstance(source, LinearSource):
+            source = BlockedSource(source, cfg.teacher_block_rows)
 
         def teacher_rows(start, stop):
-            return select(source.rows(start, stop))
+            return select(source.slice(start, stop))
     else:
         teacher_tensors = sparse_tensors(select(source), n)
     return _run(_sparse_call(cfg, student_tensors, n), {**student_tensors, **teacher_tensors},
@@ -180,22 +171,6 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
 # ---- inputs -------------------------------------------------------------------------------
 
 
-class _AllReduceGradient(torch.autograd.Function):
-    """Identity forward; SUM all-reduce of the gradient in backward (Megatron's
-    ``copy_to_tensor_model_parallel_region``)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _student_head(student: tuple, options: KDOptions, mask):
     """A student LM head's tensors by name, checked, and the names its messages use."""
     if len(student) not in (2, 3):
@@ -205,7 +180,7 @@ def _student_head(student: tuple, options: KDOptions, mask):
     _check_linear("", hidden, weight, bias)
     _checks.mask(mask, hidden.shape[:-1])
     if options.reduce_hidden_grad and options.process_group is not None:
-        hidden = _AllReduceGradient.apply(hidden, options.process_group)
+        hidden = AllReduceGradient.apply(hidden, options.process_group)
     names = {"student": "hidden", "width": "weight rows", "teacher": "teacher logits",
              "teacher_width": "teacher width"}
     return dict(zip(_HEAD_NAMES, (hidden, weight, bias), strict=True)), names
@@ -297,7 +272,7 @@ def _objective(options: KDOptions, labels, lead_shape, device):
               "normalize": options.normalize, "logit_scale": options.logit_scale,
               "softcap": options.softcap, "teacher_logit_scale": options.teacher_logit_scale,
               "teacher_softcap": options.teacher_softcap,
-              "compiled": compiled.use_compile(options.impl, device)}
+              "backend": backends.choose(options.impl, device)}
     return fields, labels
 
 
@@ -323,65 +298,18 @@ def _config(fields, options, shard, vocab, n, student_tensors, labels, *, sparse
 def _logits_config(fields, shard, vocab, group, chunk_bytes, n, element_size, labels,
                    sparse) -> Config:
     cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
-    path = path_class(cfg, sparse)
-    per, backward = (row_chunk_count(chunk_bytes, n, shard.widest, element_size,
-                                     path.buffers(cfg, labels, backward), cfg.compiled)
-                     for backward in (False, True))
+    per, backward = memory.logits_rows(cfg, sparse, labels, chunk_bytes, n, shard.widest,
+                                       element_size)
     return Config(**{**cfg.__dict__, "rows_per_chunk": per, "backward_rows_per_chunk": backward})
-
-
-# The fused losses make the logits with one matrix product per block of rows and stage the
-# logits gradient for the products that make the hidden states' and weight's gradients (see
-# BlockedRows, LinearGradient); those products run near full speed from ~100 rows. By default
-# the blocks and the float32 work chunks share a fifth of the bytes the logits would take (at
-# most 512 MiB): 80% for the blocks, 20% for the work chunks. A teacher given as (hidden,
-# weight) gets blocks a quarter as tall as the student's: its blocks only feed its own
-# product, while the student's also set how often the weight's float32 accumulator is read
-# and written (once per block), which costs more than a shorter teacher product.
-_FUSED_CHUNK_BYTES = 512 * 2**20
-_FUSED_FRACTION = 5
-_TEACHER_BLOCK_DIVISOR = 4
-
-
-def _budget(chunk_bytes, shard, rows, element, buffers, teacher_blocks, compiled=False,
-            workspace=0):
-    """``(work chunk rows, student block rows, teacher block rows)``, the teacher's only with
-    ``teacher_blocks`` (a hidden/weight teacher), from numbers every rank shares: the engine
-    combines statistics per chunk, so every rank must cut the same chunks. One-pass losses
-    stage the student's gradient in its own blocks; the two-pass ones hold a stage of that many
-    rows but no student block. ``workspace``: what a matrix product allocates while it runs
-    (:func:`~topkd.sources.gemm_workspace`), taken from the default budget so that the peak,
-    products included, stays within it."""
-    width = shard.widest + 1
-    total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // 5
-    if total is None:
-        # By default at least 1 MiB, all of it for the work chunks if need be: at small shapes
-        # the per-chunk overhead, not the products' speed or the memory, is what counts;
-        # less where the products' workspace takes some of it.
-        total = min(_FUSED_CHUNK_BYTES, rows * width * element // _FUSED_FRACTION)
-        total = max(total, MIN_CHUNK_BYTES) - workspace
-        work = max(total // 5, min(MIN_CHUNK_BYTES, total))
-    row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
-    per = least_rows(chunk_rows(work, width, rows, element, buffers=buffers), compiled)
-    # The blocks get what the work chunks leave (at least 4/5, unless a chunk had to be made
-    # taller than its fifth), in whole chunks: a block starts at a chunk, so a remainder would
-    # be made again.
-    rest = max(0, total - per * 4 * width * buffers)
-    block = max(per, int(rest // row_bytes) // per * per)
-    teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
-    return per, block, teacher_block
 
 
 def _fused_config(fields, shard, vocab, group, chunk_bytes, n, hidden, weight, labels, sparse,
                   teacher_blocks) -> Config:
     cfg = Config(offset=shard.offset, valid=shard.valid(vocab), group=group, **fields)
-    # the work chunks' fifth of the budget over at least three float32 buffers (the measured
-    # split): the one-pass loop's temporaries live beside the chunk
-    buffers = max(3, path_class(cfg, sparse).buffers(cfg, labels))
     dtype = product_dtype(hidden.dtype, weight.dtype)
-    per, block, teacher_block = _budget(chunk_bytes, shard, n, dtype.itemsize, buffers,
-                                        teacher_blocks, cfg.compiled,
-                                        sources.gemm_workspace(dtype, hidden.device))
+    per, block, teacher_block = memory.fused_rows(cfg, sparse, labels, chunk_bytes,
+                                                  shard.widest, n, dtype, hidden.device,
+                                                  teacher_blocks)
     return Config(**{**cfg.__dict__, "rows_per_chunk": per, "block_rows": block,
                      "teacher_block_rows": teacher_block})
 

@@ -2,8 +2,9 @@
 
 Each takes the chunk as it comes from its source (``low``, ``[r, W]`` in the logits' own dtype)
 or the float32 buffer made from it, plus per-row statistics, and returns float32 results. The
-engine (:mod:`topkd.engine`) drives them chunk by chunk and does every collective in between.
-Nothing in them depends on the device; :mod:`topkd.compiled` holds their compiled twins.
+engine (:mod:`topkd.engine`) drives them chunk by chunk and calls every collective in between.
+Nothing in them depends on the device. The eager backend (:mod:`topkd.backends.eager`) runs
+them; :mod:`topkd.backends.compiled` holds compiled kernels that compute the same.
 
 Everything is computed relative to row maxima: softmax is rebuilt from the row max and the
 centered sums, never as ``exp(a - A)`` with a rounded absolute log-normalizer ``A``.
@@ -27,31 +28,31 @@ def widen(low: torch.Tensor, spare: int = 0) -> torch.Tensor:
     return out
 
 
-def logits_(z: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    """The model's logits from the raw product, in place: ``softcap * tanh(scale * z /
+def logits_(z: torch.Tensor, logit_scale: float, softcap: float | None) -> torch.Tensor:
+    """The model's logits from the raw product, in place: ``softcap * tanh(logit_scale * z /
     softcap)`` (Gemma's final softcapping, Cohere's logit scale); identity by default."""
     if softcap is None:
-        return z.mul_(scale) if scale != 1.0 else z
-    return z.mul_(scale / softcap).tanh_().mul_(softcap)
+        return z.mul_(logit_scale) if logit_scale != 1.0 else z
+    return z.mul_(logit_scale / softcap).tanh_().mul_(softcap)
 
 
-def logits_grad_(grad: torch.Tensor, low: torch.Tensor, scale: float,
+def logits_grad_(grad: torch.Tensor, low: torch.Tensor, logit_scale: float,
                  softcap: float | None) -> torch.Tensor:
     """``grad`` (w.r.t. the transformed logits, ``[r, >= W]``) times the transform's derivative
     at the raw chunk ``low`` ``[r, W]``, in place on its first W columns."""
     if softcap is None:
-        return grad.mul_(scale) if scale != 1.0 else grad
-    t = widen(low).mul_(scale / softcap).tanh_()
-    grad[:, :low.shape[1]].mul_(t.mul_(t).neg_().add_(1.0).mul_(scale))
+        return grad.mul_(logit_scale) if logit_scale != 1.0 else grad
+    t = widen(low).mul_(logit_scale / softcap).tanh_()
+    grad[:, :low.shape[1]].mul_(t.mul_(t).neg_().add_(1.0).mul_(logit_scale))
     return grad
 
 
-def read(low: torch.Tensor, temperature: float, scale: float = 1.0, softcap=None,
+def read(low: torch.Tensor, temperature: float, logit_scale: float = 1.0, softcap=None,
          spare: int = 0, label_columns: torch.Tensor | None = None):
     """``(a, z_label)``: the float32 buffer ``a = logits / T`` of a chunk (``spare`` extra
     columns, set to -inf) and, with ``label_columns`` ``[r]``, each row's logit at its label
     column at temperature 1 (-inf where the column is the spare one)."""
-    a = logits_(widen(low, spare), scale, softcap)
+    a = logits_(widen(low, spare), logit_scale, softcap)
     if spare:
         a[:, low.shape[1]:] = NEG_INF
     label = None if label_columns is None else a.gather(1, label_columns[:, None])[:, 0]
@@ -139,19 +140,20 @@ def dense_statistics(a: torch.Tensor, b: torch.Tensor):
     return maxima, torch.stack([ea.sum(-1), eb.sum(-1)], -1), (a, b, ea, eb)
 
 
-def dense_terms(divergence, state, log_shift, scale):
+def dense_terms(divergence, state, log_shift, inverse_sum):
     """``(f row sums, h row sums, (p, h))`` of a divergence's :meth:`terms` for the chunk.
 
     ``state`` is :func:`dense_statistics`'s (consumed); ``log_shift`` ``[r, 2]`` = (global max
-    - shard max) + log of the global sum, and ``scale`` ``[r, 2]`` = exp(shard max - global
-    max) / global sum, so ``log p = a - log_shift[:, 0]`` and ``p = ea * scale[:, 0]`` (likewise
-    ``q``). A term whose weight is 0 comes out of :meth:`terms` as ``0 * inf = NaN`` and counts
+    - shard max) + log of the global sum, and ``inverse_sum`` ``[r, 2]`` = exp(shard max -
+    global max) / global sum, so ``log p = a - log_shift[:, 0]`` and ``p = ea *
+    inverse_sum[:, 0]`` (likewise ``q``). A term whose weight is 0 comes out of :meth:`terms`
+    as ``0 * inf = NaN`` and counts
     0; a NaN in the inputs still reaches the loss through the row statistics."""
     a, b, ea, eb = state
     logp = a.sub_(log_shift[:, :1])
     logq = b.sub_(log_shift[:, 1:])
-    p = ea.mul_(scale[:, :1])
-    q = eb.mul_(scale[:, 1:])
+    p = ea.mul_(inverse_sum[:, :1])
+    q = eb.mul_(inverse_sum[:, 1:])
     f, h = divergence.terms(logp, logq, p, q)
     inputs_nan = torch.isnan(log_shift).any(-1)
     f_sum = torch.where(inputs_nan, float("nan"), torch.nansum(f, -1))

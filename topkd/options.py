@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _checks
+from .backends import IMPLS
 from .divergences import Divergence, resolve
-
-IMPLS = ("auto", "eager", "compile")
 
 
 @dataclass(frozen=True)

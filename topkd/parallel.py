@@ -1,8 +1,20 @@
-"""The few collectives of the vocabulary-parallel losses.
+"""Every collective of the vocabulary-parallel losses: no other module calls
+``torch.distributed``'s collectives.
 
-Every function is a no-op for ``group=None`` (one process), so the math modules call them
+Every function is a no-op for ``group=None`` (one process), so the callers call them
 unconditionally and single-process runs pay nothing. Each rank holds a contiguous vocabulary
 shard, ranks in group order (Megatron's vocab-parallel layout); shards may differ in size.
+Who calls what, per loss call (forward; backward has none but the last):
+
+- :func:`exchange_shards`: one all-gather of a few integers, at the start of each public
+  loss and of :func:`topkd.select_topk`.
+- :func:`combine_statistics` (one MAX and one SUM all-reduce) and :func:`sum_rows` (one SUM),
+  from :mod:`topkd.engine` per chunk of rows: the Top-K path 2 all-reduces per chunk, the
+  full-vocabulary path 3.
+- :func:`all_gather_cat`: the teacher's selection (:mod:`topkd.select`), one all-gather of
+  the candidates per merge block of rows.
+- :class:`AllReduceGradient`: the fused losses with ``reduce_hidden_grad=True``, one SUM
+  all-reduce of the hidden states' gradient in backward.
 """
 
 from __future__ import annotations
@@ -11,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .kernels import finite_or_zero
 
 
 def world_size(group) -> int:
@@ -78,3 +92,46 @@ def all_gather_cat(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
+
+
+# ---- what the losses call per chunk and per call ---------------------------------------------
+
+
+def combine_statistics(maxima: list, sums: list, paired: list[int], group):
+    """Global row maxima and sums from this shard's (one MAX, one SUM all-reduce), as lists of
+    ``[r, c]`` parts. Column ``paired[i]`` of the concatenated maxima is the max that column
+    ``i`` of the concatenated sums (sums of ``exp(x - max)``) is relative to; each sum is
+    rescaled to the global max before the SUM. The other columns (kept values, a label's
+    logit) live on one rank and are -inf elsewhere."""
+    if group is None:
+        return maxima, sums
+    local = torch.cat(maxima, -1)
+    reduced = all_reduce_max_(local.clone(), group)
+    rescale = torch.exp(local[:, paired] - finite_or_zero(reduced[:, paired]))
+    summed = torch.cat(sums, -1)
+    summed = all_reduce_sum_(torch.where(summed > 0, summed * rescale, 0.0), group)
+    return (list(reduced.split([m.shape[1] for m in maxima], -1)),
+            list(summed.split([x.shape[1] for x in sums], -1)))
+
+
+def sum_rows(rows: list, group) -> list:
+    """Per-row sums of every shard's ``rows`` (``[r]`` each): one SUM all-reduce."""
+    if group is None:
+        return rows
+    return list(all_reduce_sum_(torch.stack(rows, -1), group).unbind(-1))
+
+
+class AllReduceGradient(torch.autograd.Function):
+    """Identity forward; SUM all-reduce of the gradient in backward (Megatron's
+    ``copy_to_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

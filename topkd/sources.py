@@ -13,19 +13,10 @@ import math
 
 import torch
 
-from . import compiled as compiled_kernels
-
-# Work buffers are float32 rows of V (+1 spare) entries; the default chunk is the smaller of this
-# and 1/16 of the logits, so the loop's temporaries stay a small fraction of one logits copy
-# at every size (see README, "Choosing chunk_bytes").
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-_DEFAULT_FRACTION = 16
-# ... but never below this: at small shapes (a few MiB of logits) the per-chunk overhead, not
-# memory, is what a smaller chunk would change.
-MIN_CHUNK_BYTES = 2**20
+from . import memory
 
 
-class Rows:
+class LogitsSource:
     """A ``[..., V]`` logits tensor read as ``[rows, V]``, one chunk of rows at a time."""
 
     def __init__(self, tensor: torch.Tensor):
@@ -51,21 +42,22 @@ class Rows:
         """The first ``columns`` columns of rows ``[start, stop)`` in the logits' dtype."""
         return self.get(start, stop)[:, :columns]
 
-    def rows(self, start: int, stop: int) -> Rows:
+    def slice(self, start: int, stop: int) -> LogitsSource:
         """Rows ``[start, stop)`` as a source of their own (a chunk copy if not viewable)."""
-        return Rows(self.get(start, stop))
+        return LogitsSource(self.get(start, stop))
 
-    def gradient(self, needs_grad, compiled: bool = False) -> LogitsGradient:
+    def gradient(self, needs_grad, backend=None) -> LogitsGradient:
         return LogitsGradient(self)
 
 
 class LogitsGradient:
-    """The gradient of a :class:`Rows` tensor, written one chunk of rows at a time."""
+    """The gradient of a :class:`LogitsSource` tensor, written one chunk of rows at a time."""
 
-    def __init__(self, rows: Rows):
-        self.grad = torch.empty(rows.tensor.shape, dtype=rows.tensor.dtype, device=rows.device)
+    def __init__(self, source: LogitsSource):
+        self.grad = torch.empty(source.tensor.shape, dtype=source.tensor.dtype,
+                                device=source.device)
         self.chunk_dtype = self.grad.dtype  # what a gradient chunk may come in: no loss
-        self._flat = self.grad.view(rows.count, rows.width)
+        self._flat = self.grad.view(source.count, source.width)
 
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
         """Set rows ``[start, stop)`` from ``grad_chunk``; columns at or past
@@ -92,7 +84,7 @@ def product_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return low.pop() if low else torch.float32
 
 
-class LinearRows:
+class LinearSource:
     """Logits ``hidden @ weight.T + bias`` that never exist whole: one chunk of rows at a time.
 
     ``hidden`` ``[..., H]``, ``weight`` ``[V_r, H]``, ``bias`` ``[V_r]`` or ``None``. A chunk is
@@ -120,47 +112,24 @@ class LinearRows:
         bias = None if self.bias is None else self.bias[:columns]
         return matmul(self.flat_hidden[start:stop], self.weight[:columns].T, out=out, bias=bias)
 
-    def rows(self, start: int, stop: int) -> LinearRows:
-        return LinearRows(self.flat_hidden[start:stop], self.weight, self.bias, self.stage_rows)
+    def slice(self, start: int, stop: int) -> LinearSource:
+        return LinearSource(self.flat_hidden[start:stop], self.weight, self.bias,
+                            self.stage_rows)
 
-    def gradient(self, needs_grad, compiled: bool = False) -> LinearGradient:
-        return LinearGradient(self, *needs_grad, stage_rows=self.stage_rows, compiled=compiled)
+    def gradient(self, needs_grad, backend) -> LinearGradient:
+        return LinearGradient(self, *needs_grad, backend=backend, stage_rows=self.stage_rows)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None,
            bias: torch.Tensor | None = None, add: bool = False) -> torch.Tensor:
     """``a @ b`` (``+ bias``), into ``out`` when given, or added to ``out`` (``add``): every
     matrix product of the fused losses, so that what one costs beyond its operands
-    (:func:`gemm_workspace`) is accounted for in one place."""
+    (:func:`topkd.memory.gemm_workspace`) is accounted for in one place."""
     if add:
         return out.addmm_(a, b)
     if bias is not None:
         return torch.addmm(bias, a, b, out=out) if out is not None else torch.addmm(bias, a, b)
     return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
-
-
-# oneDNN's brgemm matmul holds per thread, for the length of one product, a copy of B's blocks
-# (K_blk <= 1,024 x N_blk = 64, bf16), float32 accumulators (M_blk <= 256 x 64) and a copy of a
-# transposed A (<= 256 x 512): about 0.45 MiB; this rounds it up.
-ONEDNN_WORKSPACE_PER_THREAD = 2**19
-
-
-def gemm_workspace(dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes that one matrix product of ``dtype`` on ``device`` allocates through PyTorch's
-    allocator while it runs, beyond its operands and result.
-
-    On CPUs with AVX512 or AMX, PyTorch runs bfloat16 / float16 products with oneDNN, whose
-    scratchpad is allocated per call (:data:`ONEDNN_WORKSPACE_PER_THREAD` per thread).
-    Elsewhere nothing the allocator sees: MKL's float32 products and PyTorch's own bfloat16
-    kernels (AVX2 CPUs) keep their temporaries outside it, and cuBLAS allocates its workspace
-    once, not per product."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
-        return 0
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return 0
-    supported = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
-                 else torch.ops.mkldnn._is_mkldnn_fp16_supported)
-    return torch.get_num_threads() * ONEDNN_WORKSPACE_PER_THREAD if supported() else 0
 
 
 class Storage:
@@ -182,7 +151,7 @@ class Storage:
         return self.flat.numel() // max(columns, 1)
 
 
-class BlockedRows:
+class BlockedSource:
     """A row source whose logits are made ``block_rows`` rows at a time and then read in
     smaller chunks: the matrix product of a fused LM head runs far faster over ~100+ rows than
     over the few rows a float32 work chunk can afford. Chunks must be requested in order.
@@ -212,34 +181,27 @@ class BlockedRows:
         return block[start - first:stop - first]
 
     def _make(self, start: int, stop: int, columns: int) -> torch.Tensor:
-        if not isinstance(self.source, LinearRows):
+        if not isinstance(self.source, LinearSource):
             return self.source.low_chunk(start, stop, columns)  # a view: nothing to make
         if self._storage is None:
             self._storage = Storage(self.source.weight.dtype, self.device)
         return self.source.low_chunk(start, stop, columns,
                                      out=self._storage.view(stop - start, columns))
 
-    def rows(self, start: int, stop: int) -> Rows:
-        return Rows(self.low_chunk(start, stop, self.width))
+    def slice(self, start: int, stop: int) -> LogitsSource:
+        return LogitsSource(self.low_chunk(start, stop, self.width))
 
-    def gradient(self, needs_grad, compiled: bool = False) -> LinearGradient:
+    def gradient(self, needs_grad, backend) -> LinearGradient:
         """The source's gradient, staged in this source's block storage: only for loops that
         are done reading each chunk before they add its gradient."""
         self._storage = Storage(self.source.weight.dtype, self.device)
-        self._sink = LinearGradient(self.source, *needs_grad, stage=self._storage,
-                                    compiled=compiled)
+        self._sink = LinearGradient(self.source, *needs_grad, backend=backend,
+                                    stage=self._storage)
         return self._sink
 
 
-# A stage of at least _ROUNDED_PRODUCT_ROWS rows makes the weight's product in the weight's
-# dtype, at most _WEIGHT_TILE_ROWS weight rows at a time (fastest on this CPU at 512-1,024 rows
-# of a 151,936 x 1,024 weight).
-_ROUNDED_PRODUCT_ROWS = 64
-_WEIGHT_TILE_ROWS = 1024
-
-
 class LinearGradient:
-    """Gradients of :class:`LinearRows`' hidden states, weight and bias, accumulated chunk by
+    """Gradients of :class:`LinearSource`' hidden states, weight and bias, accumulated chunk by
     chunk: hidden rows are written once; the weight's and bias's add into float32
     accumulators (the only full-size buffers), returned in the inputs' dtypes.
 
@@ -249,14 +211,14 @@ class LinearGradient:
     each per stage rather than per chunk.
     """
 
-    def __init__(self, rows: LinearRows, need_hidden: bool, need_weight: bool, need_bias: bool,
-                 stage_rows: int = 1, stage: Storage | None = None, compiled: bool = False):
-        self.rows = rows
-        self.compiled = compiled
+    def __init__(self, source: LinearSource, need_hidden: bool, need_weight: bool,
+                 need_bias: bool, backend, stage_rows: int = 1, stage: Storage | None = None):
+        self.source = source
+        self.backend = backend  # its accumulator adds the weight's product tiles
         # a gradient chunk in the weight's dtype loses nothing (the products round to it);
         # the bias's sum is taken in float32
-        self.chunk_dtype = torch.float32 if need_bias else rows.weight.dtype
-        h, w = rows.flat_hidden, rows.weight
+        self.chunk_dtype = torch.float32 if need_bias else source.weight.dtype
+        h, w = source.flat_hidden, source.weight
         self.hidden = torch.zeros_like(h) if need_hidden else None
         self.weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device) \
             if need_weight else None
@@ -268,14 +230,14 @@ class LinearGradient:
                 self._stage = stage
             elif stage_rows > 1:
                 self._stage = Storage(w.dtype, w.device)
-                self._stage.view(min(stage_rows, rows.count), w.shape[0])
+                self._stage.view(min(stage_rows, source.count), w.shape[0])
         self._staged = (0, 0)  # rows [first, first + count) are in the stage
         self._columns = w.shape[0]
 
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
         """Add the contribution of logits gradient rows ``[start, stop)`` (columns at
         or past ``columns`` are vocabulary padding, whose gradient is zero). Chunks arrive in
-        row order; a stage shared with :class:`BlockedRows` only ever receives rows at or
+        row order; a stage shared with :class:`BlockedSource` only ever receives rows at or
         before the block position of the chunk just read, which is consumed."""
         grad = grad_chunk[:, :columns]
         self._columns = columns
@@ -284,7 +246,7 @@ class LinearGradient:
         count, capacity = stop - start, 0 if self._stage is None else self._stage.capacity(columns)
         if count > capacity:
             self.flush()
-            self._add_products(start, grad.to(self.rows.weight.dtype))
+            self._add_products(start, grad.to(self.source.weight.dtype))
             return
         first, staged = self._staged
         if staged + count > capacity:
@@ -302,41 +264,36 @@ class LinearGradient:
     def _add_products(self, start: int, grad_low: torch.Tensor) -> None:
         """The hidden rows' and weight's gradients from logits gradient rows ``[start,
         start + len(grad_low))`` in the weight's dtype: one product each, over many rows."""
-        rows, columns = self.rows, grad_low.shape[1]
+        source, columns = self.source, grad_low.shape[1]
         if self.hidden is not None:
-            matmul(grad_low, rows.weight[:columns],
+            matmul(grad_low, source.weight[:columns],
                    out=self.hidden[start:start + grad_low.shape[0]])
         if self.weight is None:
             return
-        hidden = rows.flat_hidden[start:start + grad_low.shape[0]]
+        hidden = source.flat_hidden[start:start + grad_low.shape[0]]
         if grad_low.dtype == torch.float32:
             matmul(grad_low.T, hidden, out=self.weight[:columns], add=True)
             return
         count = grad_low.shape[0]
-        if count >= _ROUNDED_PRODUCT_ROWS:
+        if count >= memory.ROUNDED_PRODUCT_ROWS:
             # A product over a whole stage runs at the dtype's full speed; rounding its output
             # once per stage costs far less than the bf16 rounding of the logits gradient
             # itself, which the unfused path has too. Its output goes through two tile
             # buffers made once per stage (fresh tile-sized tensors cost a quarter of the time
             # here), of at most half the stage's bytes and freed at once, like the work chunks
             # they share the budget with.
-            tile = min(_WEIGHT_TILE_ROWS, max(1, count * columns // (6 * hidden.shape[1])))
+            tile = memory.weight_tile_rows(count, columns, hidden.shape[1])
             low = hidden.new_empty(tile, hidden.shape[1])
-            wide = None if self.compiled else torch.empty(low.shape, dtype=torch.float32,
-                                                          device=low.device)
+            add_ = self.backend.accumulator(low)
             for lo in range(0, columns, tile):
                 hi = min(columns, lo + tile)
-                product = matmul(grad_low[:, lo:hi].T, hidden, out=low[:hi - lo])
-                if self.compiled:
-                    compiled_kernels.accumulate_(self.weight[lo:hi], product)
-                else:  # (widening first is twice as fast as add_'s mixed-dtype path on CPU)
-                    self.weight[lo:hi].add_(wide[:hi - lo].copy_(product))
+                add_(self.weight[lo:hi], matmul(grad_low[:, lo:hi].T, hidden, out=low[:hi - lo]))
             return
         # Over few rows that rounding would be per row: run the products in float32 instead
         # (a float32 tile is at most a quarter of the stage's bytes: the stage may be a whole
         # block, most of the budget).
         hidden = hidden.float()
-        tile = max(1, columns * grad_low.element_size() // 16)
+        tile = memory.float32_tile_rows(columns, grad_low.element_size())
         for lo in range(0, columns, tile):
             hi = min(columns, lo + tile)
             matmul(grad_low[:, lo:hi].T.float(), hidden, out=self.weight[lo:hi], add=True)
@@ -354,33 +311,4 @@ class LinearGradient:
         """The gradients in the inputs' dtypes and shapes; a float32 accumulator is returned as
         it is when its input is float32."""
         return tuple(None if acc is None else acc.to(like.dtype).view(like.shape)
-                     for acc, like in zip(self.accumulators(), self.rows.inputs, strict=True))
-
-
-def budget_bytes(chunk_bytes: int | None, rows: int, width: int, element_bytes: int) -> int:
-    """``chunk_bytes``, or by default ``min(64 MiB, max(1 MiB, logits bytes / 16))`` for
-    logits of ``rows x width`` elements of ``element_bytes`` each."""
-    if chunk_bytes is None:
-        fraction = rows * width * element_bytes // _DEFAULT_FRACTION
-        return min(DEFAULT_CHUNK_BYTES, max(MIN_CHUNK_BYTES, fraction))
-    return int(chunk_bytes)
-
-
-def chunk_rows(chunk_bytes: int | None, width: int, rows: int, element_bytes: int,
-               buffers: int = 1) -> int:
-    """Rows per chunk so that ``buffers`` float32 work buffers of ``width`` columns fit in
-    the budget (:func:`budget_bytes`) together. Always at least one row."""
-    budget = budget_bytes(chunk_bytes, rows, width, element_bytes)
-    return max(1, budget // (4 * max(width, 1) * buffers))
-
-
-def least_rows(per: int, compiled: bool) -> int:
-    """The compiled kernels take chunks of two rows or more (a one-row call is run as two:
-    see :func:`topkd.compiled._compiled`), so their loops never cut single rows."""
-    return max(per, 2) if compiled else per
-
-
-def row_chunks(rows: int, per_chunk: int):
-    """``(start, stop)`` pairs covering ``range(rows)``."""
-    for start in range(0, rows, per_chunk):
-        yield start, min(rows, start + per_chunk)
+                     for acc, like in zip(self.accumulators(), self.source.inputs, strict=True))

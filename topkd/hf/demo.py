@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._extras import require
-from ..compiled import ENV as IMPL_ENV
+from ..backends import ENV as IMPL_ENV
 
 VOCAB_SIZE = 1024
 SEQ_LEN = 64

@@ -17,8 +17,9 @@ import torch
 
 from ..divergences import JSD
 from ..entry import distill_loss
+from ..memory import chunk_rows, row_chunks
 from ..options import KDOptions
-from ..sources import chunk_rows, product_dtype, row_chunks
+from ..sources import product_dtype
 
 _TRL_MODULE = "trl.trainer.distillation_trainer"
 _TRL_NAME = "_chunked_divergence_loss"

@@ -1,4 +1,4 @@
-"""Compiled per-chunk kernels (``impl="compile"``) and the choice of implementation.
+"""The compiled backend (``impl="compile"``): the per-chunk stages as ``torch.compile`` kernels.
 
 Each kernel reads a chunk as it comes from its source (``low``, ``[r, W]`` in the logits' own
 dtype) and returns per-row statistics or the chunk's gradient: the widening, logit transform,
@@ -16,21 +16,22 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import warnings
 
 import torch
 
+from ..divergences import KL, has_own_terms
+from ..kernels import finite_or_zero
+from ..topk import candidates_
+from .base import Backend
+from .eager import EAGER
+
 NEG_INF = float("-inf")
-IMPLS = ("auto", "eager", "compile")
-ENV = "TOPKD_IMPL"
 # Variants (dtype, divergence, options, shape specializations) that one kernel may compile for
 # in a process; dynamo's own default (8) is shared by all callers of one code object.
 _RECOMPILE_LIMIT = 256
-_warned: set[str] = set()
 
 
-# ---- which implementation ----------------------------------------------------------------
+# ---- whether this platform can compile ---------------------------------------------------
 
 
 def compiler_missing(device_type: str) -> str | None:
@@ -48,48 +49,6 @@ def compiler_missing(device_type: str) -> str | None:
 
         return None if has_triton() else "Triton is not available for this CUDA device"
     return f"topkd compiles kernels on cpu and cuda only, not {device_type}"
-
-
-def check_impl(impl) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return impl
-
-
-def use_compile(impl: str, device: torch.device) -> bool:
-    """Whether a call with ``impl`` on ``device`` runs the compiled kernels.
-
-    ``"auto"`` (the default) is replaced by ``$TOPKD_IMPL`` when that is set; it compiles when
-    the platform can and otherwise runs eager, warning once per process and device type.
-    ``"compile"`` where the platform cannot is a RuntimeError. Inside a region that
-    ``torch.compile`` is tracing, or under a user's ``TorchFunctionMode`` (which dynamo
-    cannot always trace through), the eager kernels run."""
-    check_impl(impl)
-    if impl == "auto" and os.environ.get(ENV):
-        impl = os.environ[ENV]
-        if impl not in IMPLS:
-            raise ValueError(f"${ENV} must be one of {IMPLS}, got {impl!r}")
-    if impl == "eager" or torch.compiler.is_compiling() or _function_mode_active():
-        return False
-    missing = compiler_missing(device.type)
-    if missing is None:
-        return True
-    if impl == "compile":
-        raise RuntimeError(f"impl='compile' cannot run on {device.type}: {missing}; use "
-                           f"impl='eager' or 'auto'")
-    if device.type not in _warned:
-        _warned.add(device.type)
-        warnings.warn(f"topkd: impl='auto' runs the eager kernels on {device.type}: {missing}",
-                      RuntimeWarning, stacklevel=3)
-    return False
-
-
-def _function_mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    return any(not isinstance(mode, DeviceContext)
-               for mode in _get_current_function_mode_stack())
 
 
 def _compiled(fn=None, *, rows: bool = True):
@@ -164,20 +123,20 @@ def _nan_to_zero(x):
     return torch.fmax(x, zero) + torch.fmin(x, zero)
 
 
-def _logits(low, scale, softcap):
+def _logits(low, logit_scale, softcap):
     """The transformed logits in float32, as :func:`topkd.kernels.logits_` computes them."""
     z = low.float()
     if softcap is None:
-        return z * scale
-    return torch.tanh(z * (scale / softcap)) * softcap
+        return z * logit_scale
+    return torch.tanh(z * (logit_scale / softcap)) * softcap
 
 
-def _derivative(low, scale, softcap):
+def _derivative(low, logit_scale, softcap):
     """d(transformed)/d(raw) at ``low``, as :func:`topkd.kernels.logits_grad_` computes it."""
     if softcap is None:
-        return scale
-    t = torch.tanh(low.float() * (scale / softcap))
-    return (1.0 - t * t) * scale
+        return logit_scale
+    t = torch.tanh(low.float() * (logit_scale / softcap))
+    return (1.0 - t * t) * logit_scale
 
 
 def _at(low, columns):
@@ -193,26 +152,26 @@ def _normalizer(z):
     return m, torch.exp(z - _finite(m)[:, None]).sum(-1)
 
 
-def _label_statistics(low, labels, scale, softcap, ce):
+def _label_statistics(low, labels, logit_scale, softcap, ce):
     """The label's logit at temperature 1 (-inf where it is elsewhere) and, with ``ce``, the
     temperature-1 normalizer ``(max, centered sum)``."""
     out = ()
     if labels is not None:
         inside, values = _at(low, labels[:, None])
-        out += (torch.where(inside, _logits(values, scale, softcap), NEG_INF)[:, 0],)
+        out += (torch.where(inside, _logits(values, logit_scale, softcap), NEG_INF)[:, 0],)
     if ce:
-        out += _normalizer(_logits(low, scale, softcap))
+        out += _normalizer(_logits(low, logit_scale, softcap))
     return out
 
 
-def _ce_gradient(grad, low, columns, labels, g_ce, ce_max, ce_sum, scale, softcap):
+def _ce_gradient(grad, low, columns, labels, g_ce, ce_max, ce_sum, logit_scale, softcap):
     """``grad`` (w.r.t. the transformed logits at ``columns``, or every column when None) plus
     the CE gradient not folded into the normalizer: ``g * softmax(z)`` at temperature 1 (with
     ``ce_max``) and ``-g`` at the label."""
     if labels is None:
         return grad
     if ce_max is not None:
-        z = _logits(low, scale, softcap)
+        z = _logits(low, logit_scale, softcap)
         coef = g_ce / ce_sum.clamp_min(1e-38)
         grad = grad + torch.exp(z - _finite(ce_max)[:, None]) * coef[:, None]
     if columns is None:
@@ -232,22 +191,22 @@ def kept_bias(columns: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @_compiled
-def sparse_statistics(low, columns, bias, labels, temperature, scale, softcap, ce: bool):
+def sparse_statistics(low, columns, bias, labels, temperature, logit_scale, softcap, ce: bool):
     """``(selected [r, K], ghost max [r], ghost centered sum [r], *label statistics)`` of a
     chunk, as :func:`topkd.kernels.read` + :func:`~topkd.kernels.sparse_statistics` give;
     ``bias`` is :func:`kept_bias` of ``columns``."""
     width = low.shape[1]
-    rest = _logits(low, scale, softcap) / temperature + bias[:, :width]
+    rest = _logits(low, logit_scale, softcap) / temperature + bias[:, :width]
     rest_max = rest.amax(-1)
     rest_sum = torch.exp(rest - _finite(rest_max)[:, None]).sum(-1)
     inside, values = _at(low, columns)
-    selected = torch.where(inside, _logits(values, scale, softcap) / temperature, NEG_INF)
-    return (selected, rest_max, rest_sum, *_label_statistics(low, labels, scale, softcap, ce))
+    selected = torch.where(inside, _logits(values, logit_scale, softcap) / temperature, NEG_INF)
+    return (selected, rest_max, rest_sum, *_label_statistics(low, labels, logit_scale, softcap, ce))
 
 
 @_compiled
 def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, selected,
-                    grad_sel, grad_norm, grad_rest, g_ce, ce_max, ce_sum, temperature, scale,
+                    grad_sel, grad_norm, grad_rest, g_ce, ce_max, ce_sum, temperature, logit_scale,
                     softcap, dtype: torch.dtype):
     """The chunk's ``d loss / d (raw logits)`` ``[r, W + 1]`` in ``dtype`` (the last column is
     junk), as :func:`~topkd.kernels.sparse_gradient_` and the CE and transform steps after it
@@ -258,16 +217,16 @@ def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, se
     ghost = grad_norm * torch.exp(rest_max - row_max) / total
     ghost = ghost + torch.where(has_rest, grad_rest / rest_sum.clamp_min(1e-38), 0.0)
     ghost = torch.where(has_rest, ghost, 0.0) / temperature
-    a = _logits(low, scale, softcap) / temperature
+    a = _logits(low, logit_scale, softcap) / temperature
     grad = torch.exp(a - _finite(rest_max)[:, None]) * ghost[:, None]
-    grad = _ce_gradient(grad, low, None, labels, g_ce, ce_max, ce_sum, scale, softcap)
-    grad = grad * _derivative(low, scale, softcap)
+    grad = _ce_gradient(grad, low, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
+    grad = grad * _derivative(low, logit_scale, softcap)
 
     kept = torch.exp(selected - row_max[:, None]) * (grad_norm / total)[:, None]
     kept = (kept + grad_sel) / temperature
     _, values = _at(low, columns)
-    kept = _ce_gradient(kept, values, columns, labels, g_ce, ce_max, ce_sum, scale, softcap)
-    kept = kept * _derivative(values, scale, softcap)
+    kept = _ce_gradient(kept, values, columns, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
+    kept = kept * _derivative(values, logit_scale, softcap)
     out = torch.cat([grad.to(dtype), torch.zeros(r, 1, dtype=dtype, device=low.device)], 1)
     return out.scatter(1, columns, kept.to(dtype))
 
@@ -275,69 +234,71 @@ def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, se
 # ---- full vocabulary ----------------------------------------------------------------------
 
 
-def _both(low_s, low_t, temperature, scale, softcap, t_scale, t_softcap):
-    return (_logits(low_s, scale, softcap) / temperature,
-            _logits(low_t, t_scale, t_softcap) / temperature)
+def _both(low_s, low_t, temperature, logit_scale, softcap, t_logit_scale, t_softcap):
+    return (_logits(low_s, logit_scale, softcap) / temperature,
+            _logits(low_t, t_logit_scale, t_softcap) / temperature)
 
 
 @_compiled
-def dense_statistics(low_s, low_t, labels, temperature, scale, softcap, t_scale, t_softcap,
-                     ce: bool):
+def dense_statistics(low_s, low_t, labels, temperature, logit_scale, softcap, t_logit_scale,
+                     t_softcap, ce: bool):
     """``(maxima [r, 2], sums [r, 2], *label statistics)`` of this shard's chunks (the
-    student's logit transform ``scale``/``softcap``, the teacher's ``t_scale``/``t_softcap``)."""
-    a, b = _both(low_s, low_t, temperature, scale, softcap, t_scale, t_softcap)
+    student's logit transform ``logit_scale``/``softcap``, the teacher's
+    ``t_logit_scale``/``t_softcap``)."""
+    a, b = _both(low_s, low_t, temperature, logit_scale, softcap, t_logit_scale, t_softcap)
     (ma, sa), (mb, sb) = _normalizer(a), _normalizer(b)
-    label = _label_statistics(low_s, labels, scale, softcap, ce)
+    label = _label_statistics(low_s, labels, logit_scale, softcap, ce)
     return (torch.stack([ma, mb], -1), torch.stack([sa, sb], -1), *label)
 
 
-def _terms(divergence, low_s, low_t, center, log_shift, inverse, temperature, *transforms):
+def _terms(divergence, low_s, low_t, center, log_shift, inverse_sum, temperature,
+           *transforms):
     """``(p, f, h)`` of the divergence over the chunk: ``log p = (a - center) - log_shift``,
-    ``p = exp(a - center) * inverse`` (likewise ``q``), as :func:`topkd.kernels.dense_terms`
-    (``inverse``: its ``scale``)."""
+    ``p = exp(a - center) * inverse_sum`` (likewise ``q``), as
+    :func:`topkd.kernels.dense_terms`. KL's ``h = -q`` is never NaN and is not cleaned."""
     a, b = _both(low_s, low_t, temperature, *transforms)
     # (columns by index, not by slice: a slice of the size-2 dimension is not provably 1 wide
     # under dynamic shapes)
     a, b = a - center[:, 0, None], b - center[:, 1, None]
     logp, logq = a - log_shift[:, 0, None], b - log_shift[:, 1, None]
-    p, q = torch.exp(a) * inverse[:, 0, None], torch.exp(b) * inverse[:, 1, None]
+    p, q = torch.exp(a) * inverse_sum[:, 0, None], torch.exp(b) * inverse_sum[:, 1, None]
     f, h = divergence.terms(logp, logq, p, q)
-    return p, f, _nan_to_zero(h) if divergence.h_may_be_nan else h
+    return p, f, h if isinstance(divergence, KL) else _nan_to_zero(h)
 
 
 @_compiled
-def dense_terms(divergence, low_s, low_t, center, log_shift, inverse, temperature, scale,
-                softcap, t_scale, t_softcap):
+def dense_terms(divergence, low_s, low_t, center, log_shift, inverse_sum, temperature,
+                logit_scale, softcap, t_logit_scale, t_softcap):
     """``(D row sums, h row sums)`` of this shard; a term whose weight is 0 counts 0, a NaN in
     the inputs reaches the row through ``log_shift``."""
-    _, f, h = _terms(divergence, low_s, low_t, center, log_shift, inverse, temperature, scale,
-                     softcap, t_scale, t_softcap)
+    _, f, h = _terms(divergence, low_s, low_t, center, log_shift, inverse_sum, temperature,
+                     logit_scale, softcap, t_logit_scale, t_softcap)
     f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), _nan_to_zero(f).sum(-1))
     return f_sum, h.sum(-1)
 
 
 @_compiled
 def dense_gradient(divergence, low_s, low_t, labels, row_max, row_sum, h_sum, g_kd,
-                   g_norm_ce, g_ce, ce_max, ce_sum, temperature, scale, softcap, t_scale,
-                   t_softcap, dtype: torch.dtype):
+                   g_norm_ce, g_ce, ce_max, ce_sum, temperature, logit_scale, softcap,
+                   t_logit_scale, t_softcap, dtype: torch.dtype):
     """The chunk's ``d loss / d (raw student logits)`` ``[r, W]`` in ``dtype`` from the global
     row maxima and sums ``[r, 2]``: ``(g_kd * (h - p sum h) + g_ce * p) / T`` and the CE and
     transform steps, as :func:`~topkd.kernels.dense_gradient_` and those after it."""
     p, _, h = _terms(divergence, low_s, low_t, _finite(row_max), row_sum.log(), 1 / row_sum,
-                     temperature, scale, softcap, t_scale, t_softcap)
+                     temperature, logit_scale, softcap, t_logit_scale, t_softcap)
     coef = g_kd * h_sum - g_norm_ce
     grad = (h * g_kd[:, None] - p * coef[:, None]) / temperature
-    grad = _ce_gradient(grad, low_s, None, labels, g_ce, ce_max, ce_sum, scale, softcap)
-    return (grad * _derivative(low_s, scale, softcap)).to(dtype)
+    grad = _ce_gradient(grad, low_s, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
+    return (grad * _derivative(low_s, logit_scale, softcap)).to(dtype)
 
 
 # ---- the teacher's selection and the fused head's accumulators ----------------------------
 
 
 @_compiled
-def read(low, temperature, scale, softcap):
+def read(low, temperature, logit_scale, softcap):
     """``logits / T`` of a chunk as a new float32 buffer (the selection sorts it)."""
-    return _logits(low, scale, softcap) / temperature
+    return _logits(low, logit_scale, softcap) / temperature
 
 
 @_compiled
@@ -351,3 +312,92 @@ def log_sum_exp(b, center):
 def accumulate_(accumulator, product):
     """``accumulator += product`` (float32 += any float dtype) in one pass, in place."""
     accumulator.add_(product.float())
+
+
+# ---- the backend --------------------------------------------------------------------------
+
+
+def _transforms(cfg):
+    return (cfg.logit_scale, cfg.softcap, cfg.teacher_logit_scale, cfg.teacher_softcap)
+
+
+def _label_extras(extra, label_columns, ce):
+    """``(label logit, CE normalizer)`` from a statistics kernel's extra results (see
+    :func:`_label_statistics`)."""
+    z_label = extra[0] if label_columns is not None else None
+    return z_label, tuple(extra[-2:]) if ce else None
+
+
+class CompiledBackend(Backend):
+    """The stages as the kernels above (see :class:`~topkd.backends.base.Backend` for the
+    signatures): each reads its chunk in its own dtype, so the gradient stages read it again
+    and a chunk holds only its gradient (in the sink's ``dtype``). Chunks of two rows or more
+    (see :func:`_compiled`). A divergence without its own
+    :meth:`~topkd.Divergence.terms` runs the full-vocabulary path on the eager backend."""
+
+    name = "compile"
+    widens_chunks = False
+    least_rows = 2
+    sparse_remade = ()  # the kernels take the saved kept values
+
+    def runner(self, divergence, sparse):
+        return self if sparse or has_own_terms(divergence) else EAGER
+
+    # ---- Top-K path
+
+    def sparse_statistics(self, cfg, low, columns, label_columns, ce):
+        selected, rest_max, rest_sum, *extra = sparse_statistics(
+            low, columns, kept_bias(columns, low.shape[1]), label_columns, cfg.temperature,
+            cfg.logit_scale, cfg.softcap, ce)
+        z_label, ce_norm = _label_extras(extra, label_columns, ce)
+        return (low, columns, label_columns), (selected, rest_max, rest_sum, z_label, ce_norm)
+
+    def sparse_refresh(self, cfg, low, columns, label_columns, stats):
+        return (low, columns, label_columns)
+
+    def sparse_gradient(self, cfg, state, stats, upstream, g_ce, dtype):
+        low, columns, label_columns = state
+        grad_sel, grad_norm, grad_rest = upstream
+        return sparse_gradient(
+            low, columns, label_columns, stats["row_max"], stats["total"], stats["rest_max"],
+            stats["rest_sum"], stats["selected"], grad_sel, grad_norm, grad_rest, g_ce,
+            stats.get("ce_max"), stats.get("ce_sum"), cfg.temperature, cfg.logit_scale,
+            cfg.softcap, dtype)
+
+    # ---- full-vocabulary path
+
+    def dense_statistics(self, cfg, low_s, low_t, label_columns, ce):
+        local_max, local_sum, *extra = dense_statistics(
+            low_s, low_t, label_columns, cfg.temperature, *_transforms(cfg), ce)
+        z_label, ce_norm = _label_extras(extra, label_columns, ce)
+        return (low_s, low_t, label_columns), local_max, local_sum, z_label, ce_norm
+
+    def dense_terms(self, cfg, state, local_max, log_shift, inverse_sum):
+        low_s, low_t, _ = state
+        f_sum, h_sum = dense_terms(cfg.divergence, low_s, low_t, finite_or_zero(local_max),
+                                   log_shift, inverse_sum, cfg.temperature, *_transforms(cfg))
+        return f_sum, h_sum, state
+
+    def dense_refresh(self, cfg, low_s, low_t, label_columns, row_max, row_sum):
+        return (low_s, low_t, label_columns)
+
+    def dense_gradient(self, cfg, state, stats, g_kd, g_norm_ce, g_ce, dtype):
+        low_s, low_t, label_columns = state
+        return dense_gradient(
+            cfg.divergence, low_s, low_t, label_columns, stats["row_max"], stats["row_sum"],
+            stats["h_sum"], g_kd, g_norm_ce, g_ce, stats.get("ce_max"), stats.get("ce_sum"),
+            cfg.temperature, *_transforms(cfg), dtype)
+
+    # ---- the teacher's selection (the widening and the rest's log-sum-exp compiled, the
+    # sort eager) and the fused head's weight gradient
+
+    def select(self, low, k, temperature, logit_scale, softcap):
+        b = read(low, temperature, logit_scale, softcap)
+        values, indices, rest_max = candidates_(b, k)
+        return values, indices, rest_max, log_sum_exp(b, rest_max)
+
+    def accumulator(self, like):
+        return accumulate_
+
+
+COMPILED = CompiledBackend()

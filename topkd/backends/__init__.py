@@ -1,0 +1,71 @@
+"""The backends that run the per-chunk stages, and the choice of one per call.
+
+A backend (:class:`~topkd.backends.base.Backend`) supplies every per-chunk stage with one
+signature; the engine drives whichever it is given and never asks which. Two today:
+
+- ``"eager"`` (:mod:`topkd.backends.eager`): plain PyTorch on float32 work buffers.
+- ``"compile"`` (:mod:`topkd.backends.compiled`): ``torch.compile`` kernels that read each
+  chunk in its own dtype.
+
+:func:`choose` turns a call's ``impl`` into one of them, once per call.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import compiled
+from .base import Backend
+from .compiled import COMPILED
+from .eager import EAGER
+
+IMPLS = ("auto", "eager", "compile")
+ENV = "TOPKD_IMPL"
+_warned: set[str] = set()
+
+__all__ = ["COMPILED", "EAGER", "ENV", "IMPLS", "Backend", "check_impl", "choose"]
+
+
+def check_impl(impl) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def choose(impl: str, device: torch.device) -> Backend:
+    """The backend a call with ``impl`` on ``device`` runs.
+
+    ``"auto"`` (the default) is replaced by ``$TOPKD_IMPL`` when that is set; it compiles when
+    the platform can and otherwise runs eager, warning once per process and device type.
+    ``"compile"`` where the platform cannot is a RuntimeError. Inside a region that
+    ``torch.compile`` is tracing, or under a user's ``TorchFunctionMode`` (which dynamo
+    cannot always trace through), the eager backend runs."""
+    check_impl(impl)
+    if impl == "auto" and os.environ.get(ENV):
+        impl = os.environ[ENV]
+        if impl not in IMPLS:
+            raise ValueError(f"${ENV} must be one of {IMPLS}, got {impl!r}")
+    if impl == "eager" or torch.compiler.is_compiling() or _function_mode_active():
+        return EAGER
+    missing = compiled.compiler_missing(device.type)
+    if missing is None:
+        return COMPILED
+    if impl == "compile":
+        raise RuntimeError(f"impl='compile' cannot run on {device.type}: {missing}; use "
+                           f"impl='eager' or 'auto'")
+    if device.type not in _warned:
+        _warned.add(device.type)
+        warnings.warn(f"topkd: impl='auto' runs the eager kernels on {device.type}: {missing}",
+                      RuntimeWarning, stacklevel=3)
+    return EAGER
+
+
+def _function_mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return any(not isinstance(mode, DeviceContext)
+               for mode in _get_current_function_mode_stack())
