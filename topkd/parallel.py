@@ -46,14 +46,14 @@ class Shard:
         return max(0, min(self.width, vocab_size - self.offset))
 
 
-def exchange_shards(group, widths: dict[str, int], rows: int, device) -> dict[str, Shard]:
+def exchange_shards(group, widths: dict[str, int], count: int, device) -> dict[str, Shard]:
     """Each named tensor's shard on this rank, from every rank's widths (one small all-gather
     of a few integers, on the inputs' ``device``).
 
     Every rank validates the same gathered numbers, so a bad input raises the same error on
     all ranks instead of leaving some of them waiting in a collective.
     """
-    local = [*widths.values(), rows]
+    local = [*widths.values(), count]
     if group is None:
         shapes = [local]
     else:
@@ -114,11 +114,11 @@ def combine_statistics(maxima: list, sums: list, paired: list[int], group):
             list(summed.split([x.shape[1] for x in sums], -1)))
 
 
-def sum_rows(rows: list, group) -> list:
-    """Per-row sums of every shard's ``rows`` (``[r]`` each): one SUM all-reduce."""
+def sum_rows(values: list, group) -> list:
+    """Per-row sums of every shard's ``values`` (``[r]`` each): one SUM all-reduce."""
     if group is None:
-        return rows
-    return list(all_reduce_sum_(torch.stack(rows, -1), group).unbind(-1))
+        return values
+    return list(all_reduce_sum_(torch.stack(values, -1), group).unbind(-1))
 
 
 class AllReduceGradient(torch.autograd.Function):
