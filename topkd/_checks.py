@@ -108,7 +108,7 @@ def teacher_temperature(value, teacher) -> None:
                          f"{teacher.temperature} (the teacher was normalized at it)")
 
 
-# Vocabulary indices travel as int32 and sort under a packed int64 key (see select.py).
+# Vocabulary indices travel as int32 and sort under a packed int64 key (see topk.py).
 MAX_VOCAB = 2**31 - 2
 
 
