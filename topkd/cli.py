@@ -152,6 +152,16 @@ def _fail(prog: str, message) -> int:
     return 1
 
 
+def _no_transformers_bars() -> None:
+    """``--no-progress``: transformers' own progress bars off too (when it is installed)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def _build(parser, args) -> int:
     prog = "topkd store build"
     if not os.path.isdir(args.teacher):
@@ -167,12 +177,7 @@ def _build(parser, args) -> int:
     if args.top_p is None and args.top_p_min_k != 1:
         parser.error("argument --top-p-min-k: only meaningful with --top-p")
     if args.no_progress:
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        except ImportError:
-            pass
+        _no_transformers_bars()
     from .store.build import build_store
 
     try:
@@ -383,12 +388,7 @@ def _distill(parser, args) -> int:
         print(f"{prog}: offline: the teacher in {args.teacher} is not loaded (its rows come "
               f"from {args.store}); the store is checked to be its rows", file=sys.stderr)
     if args.no_progress:
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        except ImportError:
-            pass
+        _no_transformers_bars()
     try:
         from .hf.distill import distill, summary_lines
 

@@ -31,7 +31,7 @@ except ImportError as e:
 
 from .. import _checks, parallel
 from ..entry import distill_loss
-from ..options import KDOptions, keywords
+from ..options import KDOptions
 from ..teacher import SparseTeacher
 
 
@@ -198,22 +198,8 @@ KL_OPTIONS = frozenset({"temperature", "divergence", "reverse", "vocab_size", "c
 TOPK_OPTIONS = KL_OPTIONS | {"top_p", "top_p_min_k", "normalize"}
 
 
-def topk_kl_loss(
-    student_logits,
-    teacher_logits,
-    k: int,
-    *,
-    model_config,
-    top_p: float | None = None,
-    top_p_min_k: int = 1,
-    temperature: float | None = None,
-    divergence="kl",
-    reverse: bool = False,
-    normalize: str = "full",
-    vocab_size: int | None = None,
-    chunk_bytes: int | None = None,
-    impl: str = "auto",
-) -> torch.Tensor:
+def topk_kl_loss(student_logits, teacher_logits, k: int, *, model_config,
+                 **options) -> torch.Tensor:
     """:func:`topkd.topk_kl_loss` in Megatron's layout.
 
     Args:
@@ -227,39 +213,28 @@ def topk_kl_loss(
             ``should_pad_vocab``, ``make_vocab_size_divisible_by`` and ``seq_length``.
         vocab_size: the real vocabulary (default: the config's, else the logits' whole width);
             padding columns past it get zero gradient.
-        top_p, top_p_min_k, temperature, divergence, reverse, normalize, chunk_bytes, impl: as
-            in :func:`topkd.topk_kl_loss`. No ``T**2`` factor.
+        options: ``top_p``, ``top_p_min_k``, ``temperature``, ``divergence``, ``reverse``,
+            ``normalize``, ``chunk_bytes``, ``impl``, as in :func:`topkd.topk_kl_loss`
+            (:data:`TOPK_OPTIONS`). No ``T**2`` factor.
 
     Returns:
         float32 ``[b, s]``, contiguous, identical on every tensor-parallel rank; the student
         gradient on each rank is its shard of the single-process gradient.
     """
-    options = keywords(locals(), "student_logits", "teacher_logits", "model_config")
-    _checks.integer("k", k, 1)
+    options = KDOptions.of(options, allowed=TOPK_OPTIONS, k=_checks.integer("k", k, 1))
     student, teacher, group, vocab, shards = prepare(model_config, student_logits,
-                                                     teacher_logits, vocab_size)
-    options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group})
+                                                     teacher_logits, options.vocab_size)
+    options = options.replace(vocab_size=vocab, process_group=group)
     return _sequence_loss(student, teacher, options, shards)
 
 
-def kl_loss(
-    student_logits,
-    teacher_logits,
-    *,
-    model_config,
-    temperature: float | None = None,
-    divergence="kl",
-    reverse: bool = False,
-    vocab_size: int | None = None,
-    chunk_bytes: int | None = None,
-    impl: str = "auto",
-) -> torch.Tensor:
+def kl_loss(student_logits, teacher_logits, *, model_config, **options) -> torch.Tensor:
     """:func:`topkd.kl_loss` (the whole vocabulary) in Megatron's layout; arguments and result
     as in :func:`topk_kl_loss`."""
-    options = keywords(locals(), "student_logits", "teacher_logits", "model_config")
+    options = KDOptions.of(options, allowed=KL_OPTIONS)
     student, teacher, group, vocab, shards = prepare(model_config, student_logits,
-                                                     teacher_logits, vocab_size)
-    options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group})
+                                                     teacher_logits, options.vocab_size)
+    options = options.replace(vocab_size=vocab, process_group=group)
     return _sequence_loss(student, teacher, options, shards)
 
 
@@ -282,19 +257,8 @@ def sequence_first(teacher, seq_batch: tuple[int, int]) -> SparseTeacher:
                          teacher.vocab_size, mask)
 
 
-def sparse_kl_loss(
-    student_logits,
-    teacher: SparseTeacher,
-    *,
-    model_config,
-    temperature: float | None = None,
-    divergence="kl",
-    reverse: bool = False,
-    normalize: str = "full",
-    vocab_size: int | None = None,
-    chunk_bytes: int | None = None,
-    impl: str = "auto",
-) -> torch.Tensor:
+def sparse_kl_loss(student_logits, teacher: SparseTeacher, *, model_config,
+                   **options) -> torch.Tensor:
     """:func:`topkd.sparse_kl_loss` in Megatron's layout: offline distillation from a topkd
     store (or any :class:`SparseTeacher`), at any vocabulary size.
 
@@ -313,15 +277,15 @@ def sparse_kl_loss(
         float32 ``[b, s]``, identical on every tensor-parallel rank; the student gradient on
         each rank is its shard of the single-process gradient. No ``T**2`` factor.
     """
-    options = keywords(locals(), "student_logits", "teacher", "model_config")
+    options = KDOptions.of(options, allowed=KL_OPTIONS | {"normalize"})
     student = output_logits("student logits", student_logits)
     teacher = sequence_first(teacher, student.shape[:2])
     check_sequence(model_config, "student logits", student.shape)
-    layout = vocab_layout(model_config, vocab_size)
+    layout = vocab_layout(model_config, options.vocab_size)
     group = tensor_parallel_group(model_config)
     shards = parallel.exchange_shards(group, {"student logits": student.shape[-1]},
                                       student.shape[:2].numel(), student.device)
     check_widths(layout, shards, tensor_parallel_size(model_config))
     vocab = teacher.vocab_size if layout.vocab_size is None else layout.vocab_size
-    options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group})
+    options = options.replace(vocab_size=vocab, process_group=group)
     return _sequence_loss(student, teacher, options, _loss_shards(shards))

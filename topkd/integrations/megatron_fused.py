@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .. import parallel
 from ..entry import distill_loss
 from ..fused import _teacher_k
-from ..options import KDOptions, keywords
+from ..options import KDOptions
 from ..teacher import SparseTeacher
 from . import megatron
 
@@ -160,41 +160,21 @@ def _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel, voc
     return hidden, group is not None, teacher, group, vocab, shards
 
 
-def _sequence_loss(weight, bias, options: dict, prepared, topk: bool) -> torch.Tensor:
+def _sequence_loss(weight, bias, options: KDOptions, prepared, topk: bool) -> torch.Tensor:
     """The fused loss of the prepared inputs, ``[b, s]`` contiguous; ``topk``: a Top-K loss,
     whose ``k`` only a SparseTeacher may leave out."""
     hidden, reduce_grad, teacher, group, vocab, shards = prepared
-    options = KDOptions(**{**options, "vocab_size": vocab, "process_group": group,
-                           "reduce_hidden_grad": reduce_grad})
+    options = options.replace(vocab_size=vocab, process_group=group,
+                              reduce_hidden_grad=reduce_grad)
     if topk:
         options = _teacher_k(options, teacher)
     loss = distill_loss((hidden, weight, bias), teacher, options, shards=shards)
     return loss.transpose(0, 1).contiguous()
 
 
-# what the functions below take besides the loss options
-_INPUTS = ("hidden", "weight", "teacher", "bias", "model_config", "sequence_parallel")
-
-
-def fused_topk_kl_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    teacher,
-    k: int | None = None,
-    *,
-    model_config,
-    bias: torch.Tensor | None = None,
-    sequence_parallel: bool | None = None,
-    top_p: float | None = None,
-    top_p_min_k: int = 1,
-    temperature: float | None = None,
-    divergence="kl",
-    reverse: bool = False,
-    normalize: str = "full",
-    vocab_size: int | None = None,
-    chunk_bytes: int | None = None,
-    impl: str = "auto",
-) -> torch.Tensor:
+def fused_topk_kl_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher, k: int | None = None,
+                       *, model_config, bias: torch.Tensor | None = None,
+                       sequence_parallel: bool | None = None, **options) -> torch.Tensor:
     """:func:`topkd.fused_topk_kl_loss` of a Megatron output layer: the same loss as
     :func:`topkd.integrations.megatron.topk_kl_loss` on that layer's logits, without them.
 
@@ -217,8 +197,9 @@ def fused_topk_kl_loss(
         bias: the layer's bias shard ``[V/TP]``, or None.
         sequence_parallel: whether ``hidden`` is sequence-sharded (default: the config's;
             ignored at TP = 1, as ``ColumnParallelLinear`` ignores it).
-        top_p, top_p_min_k, temperature, divergence, reverse, normalize, vocab_size,
-        chunk_bytes, impl: as in :func:`topkd.integrations.megatron.topk_kl_loss`.
+        options: ``top_p``, ``top_p_min_k``, ``temperature``, ``divergence``, ``reverse``,
+            ``normalize``, ``vocab_size``, ``chunk_bytes``, ``impl``, as in
+            :func:`topkd.integrations.megatron.topk_kl_loss`.
 
     Returns:
         float32 ``[b, s]`` (the whole sequence), identical on every tensor-parallel rank: the
@@ -226,37 +207,25 @@ def fused_topk_kl_loss(
         The gradients of ``hidden``, ``weight`` and ``bias`` are those of the layer's own
         backward. No ``T**2`` factor.
     """
-    options = keywords(locals(), *_INPUTS)
+    options = KDOptions.of(options, allowed=megatron.TOPK_OPTIONS, k=k)
     prepared = _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel,
-                        vocab_size)
+                        options.vocab_size)
     return _sequence_loss(weight, bias, options, prepared, topk=True)
 
 
-def fused_kl_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    teacher,
-    *,
-    model_config,
-    bias: torch.Tensor | None = None,
-    sequence_parallel: bool | None = None,
-    temperature: float | None = None,
-    divergence="kl",
-    reverse: bool = False,
-    vocab_size: int | None = None,
-    chunk_bytes: int | None = None,
-    impl: str = "auto",
-) -> torch.Tensor:
+def fused_kl_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher, *, model_config,
+                  bias: torch.Tensor | None = None, sequence_parallel: bool | None = None,
+                  **options) -> torch.Tensor:
     """:func:`topkd.fused_kl_loss` (the whole vocabulary) of a Megatron output layer; the
     teacher is logits or an output layer's inputs (not a SparseTeacher); everything else as
     in :func:`fused_topk_kl_loss`."""
-    options = keywords(locals(), *_INPUTS)
+    options = KDOptions.of(options, allowed=megatron.KL_OPTIONS)
     if isinstance(teacher, SparseTeacher):
         raise TypeError("fused_kl_loss needs the whole teacher distribution: teacher logits or "
                         "the teacher's output-layer inputs; use fused_topk_kl_loss for a "
                         "SparseTeacher")
     prepared = _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel,
-                        vocab_size)
+                        options.vocab_size)
     return _sequence_loss(weight, bias, options, prepared, topk=False)
 
 
