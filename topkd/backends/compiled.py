@@ -38,7 +38,10 @@ def compiler_missing(device_type: str) -> str | None:
     """Why ``torch.compile`` cannot build kernels for ``device_type`` here, or None."""
     if device_type == "cpu":
         try:
-            from torch._inductor.cpp_builder import get_cpp_compiler
+            try:
+                from torch._inductor.cpp_builder import get_cpp_compiler
+            except ImportError:  # torch < 2.5
+                from torch._inductor.codecache import cpp_compiler as get_cpp_compiler
 
             get_cpp_compiler()
         except Exception as e:  # noqa: BLE001 - any failure to find one means no compiler
@@ -71,8 +74,7 @@ def _compiled(fn=None, *, rows: bool = True):
         single = rows and next(a for a in args if isinstance(a, torch.Tensor)).shape[0] == 1
         if single:
             args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
-                                        accumulated_recompile_limit=4 * _RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(_recompile_limits()):
             out = state["fn"](*args)
         if not single:
             return out
@@ -82,6 +84,14 @@ def _compiled(fn=None, *, rows: bool = True):
 
     call.eager = fn
     return call
+
+
+def _recompile_limits() -> dict:
+    """Dynamo's recompile limits for one kernel, under this torch's names for them (older
+    torch names them ``cache_size_limit``)."""
+    old = not hasattr(torch._dynamo.config, "recompile_limit")
+    name = "cache_size_limit" if old else "recompile_limit"
+    return {name: _RECOMPILE_LIMIT, f"accumulated_{name}": 4 * _RECOMPILE_LIMIT}
 
 
 _seen: set = set()
