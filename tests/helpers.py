@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -205,6 +206,12 @@ def memory_events(fn):
     assert events, "the profiler recorded no [memory] events"
     events.sort(key=lambda e: e.start_ns())
     return events
+
+
+def machine_threads() -> int:
+    """The threads PyTorch gives one process on this machine (under pytest-xdist each worker
+    runs fewer: conftest.py)."""
+    return int(os.environ.get("TOPKD_TESTS_MACHINE_THREADS", torch.get_num_threads()))
 
 
 def free_port() -> int:

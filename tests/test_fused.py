@@ -18,7 +18,14 @@ import pytest
 import reference as ref
 import torch
 import torch.nn.functional as F
-from helpers import LOSS_RTOL, WorkRecorder, assert_loss_close, grad_err, memory_events
+from helpers import (
+    LOSS_RTOL,
+    WorkRecorder,
+    assert_loss_close,
+    grad_err,
+    machine_threads,
+    memory_events,
+)
 
 import topkd
 
@@ -547,11 +554,11 @@ def gemm(request, monkeypatch):
     """The matrix products as this CPU runs them, or as oneDNN runs bf16 products on AVX512 /
     AMX CPUs: a scratchpad of :func:`topkd.sources.gemm_workspace` bytes allocated through
     PyTorch's allocator for the length of every product (emulated, so the bound is checked
-    for both kinds of CPU on either)."""
+    for both kinds of CPU on either), for as many threads as one process gets here."""
     if request.param == "onednn":
         from topkd import sources
 
-        workspace = torch.get_num_threads() * sources.ONEDNN_WORKSPACE_PER_THREAD
+        workspace = machine_threads() * sources.ONEDNN_WORKSPACE_PER_THREAD
         product = sources.matmul
 
         def with_scratchpad(*args, **kwargs):
