@@ -1,12 +1,33 @@
+import getpass
 import os
 import sys
+import tempfile
 
 # Inductor compiles in this process rather than in a pool of compile workers: on a 2-core
 # machine (and in every spawned rank) starting the pool costs more than it saves.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Under pytest-xdist each worker (and the ranks it spawns) keeps its compiled kernels in an
+# on-disk cache of its own, beside inductor's default one: two processes compiling the same
+# kernel into one cache directory race on its files. It persists, so a later run starts warm.
+if os.environ.get("PYTEST_XDIST_WORKER") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}",
+        f"topkd-tests-{os.environ['PYTEST_XDIST_WORKER']}")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# pytest-xdist's workers share the cores: each runs PyTorch (and the subprocesses it starts)
+# on its share of the threads the machine would give one process. More threads than cores
+# leave OpenMP's threads waiting on each other: a training step 10x slower. The machine's
+# count stays in $TOPKD_TESTS_MACHINE_THREADS (helpers.machine_threads) for the tests that
+# model it.
+os.environ.setdefault("TOPKD_TESTS_MACHINE_THREADS", str(torch.get_num_threads()))
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    _threads = max(1, int(os.environ["TOPKD_TESTS_MACHINE_THREADS"]) // _workers)
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -17,18 +38,9 @@ for _p in (_HERE, _ROOT):
         sys.path.insert(0, _p)
 
 # The suite runs the eager kernels unless told otherwise (``TOPKD_IMPL=compile pytest``
-# runs all of it compiled). The modules that check against the float64 reference run both
-# implementations (``both_impls``), and test_compiled.py compares the two directly; compiled
-# kernels are built once per process and shared by every test.
+# runs all of it compiled): the float64 reference matrix runs eager, and test_compiled.py
+# compares the compiled kernels with the eager ones, one case per kernel variant.
 os.environ.setdefault("TOPKD_IMPL", "eager")
-
-
-@pytest.fixture(params=["eager", "compile"])
-def both_impls(request, monkeypatch):
-    """Run the test with ``impl="auto"`` resolved to each implementation (the test's own
-    processes and any ranks it spawns)."""
-    monkeypatch.setenv("TOPKD_IMPL", request.param)
-    return request.param
 
 
 @pytest.fixture(autouse=True)

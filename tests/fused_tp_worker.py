@@ -1,5 +1,5 @@
-"""Body of the fused LM-head tensor-parallel tests, run in spawned gloo ranks
-(see test_fused_parallel.py, which spawns it with test_parallel's launcher).
+"""Body of the fused LM-head tensor-parallel tests, run in spawned gloo ranks (tp_worker.worker
+runs :func:`run_layout` for test_parallel.py's fused layouts).
 
 Each rank builds the same full inputs from a fixed seed and computes the one-process result
 (process_group=None, the whole weight) and the tensor-parallel one: its contiguous shard of
@@ -37,7 +37,6 @@ from tp_worker import (  # noqa: E402
     _same_on_all_ranks,
     compare_reference,
     labels_for,
-    run_rank,
 )
 
 import topkd  # noqa: E402
@@ -344,15 +343,3 @@ def run_layout(group, rank, width, sizes, vocab_size, failures, dtype=torch.floa
                 if need:
                     grads.append((pname, gt, rg[sl], float(rg.abs().max())))
             compare_reference(f"{tag} {name}", failures, parts_t, ref_parts, grads)
-
-
-def worker(rank, world, port, layouts, with_bf16, result_dir):
-    def body(group, failures):
-        for width, sizes, vocab_size in layouts:
-            run_layout(group, rank, width, sizes, vocab_size, failures)
-        if with_bf16:
-            width, sizes, vocab_size = layouts[0]
-            run_layout(group, rank, width, sizes, vocab_size, failures, dtype=torch.bfloat16,
-                       seed=1)
-
-    run_rank(rank, world, port, result_dir, body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -11,6 +12,48 @@ import torch
 LOSS_RTOL = 1e-5  # loss vs float64, relative
 GRAD_TOL_F32 = 1e-5  # gradient max-abs error / max |reference gradient|, float32 inputs
 GRAD_TOL_LOWP = 1e-3  # the same, bf16 / fp16 inputs
+
+
+def kd_inputs(dtype=torch.float32, seed=0, lead=(3, 5), v=64, hidden=16, teacher_hidden=12):
+    """The inputs of a KD loss call, drawn in a fixed order from ``seed`` (in float64, then
+    cast to ``dtype``): student logits ``s`` and teacher logits ``t`` ``[*lead, v]``, a student
+    LM head (``h`` ``[*lead, hidden]``, ``W``, ``b``), a teacher LM head (``th``, ``tW``,
+    ``tb``), an upstream gradient ``go`` ``[*lead]`` (float32), a ``mask`` (about 70% kept)
+    and ``labels`` with some rows at ``-100``, kept rows among them."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    d = {
+        "s": rnd(*lead, v, scale=2.0),
+        "t": rnd(*lead, v, scale=2.5),
+        "h": rnd(*lead, hidden),
+        "W": rnd(v, hidden, scale=2.0 / hidden ** 0.5),  # student logits ~ N(0, 4)
+        "b": rnd(v, scale=0.5),
+        "th": rnd(*lead, teacher_hidden),
+        "tW": rnd(v, teacher_hidden, scale=2.5 / teacher_hidden ** 0.5),
+        "tb": rnd(v, scale=0.5),
+    }
+    d["go"] = torch.randn(lead, generator=g, dtype=torch.float64).float()
+    d["mask"] = torch.rand(lead, generator=g) < 0.7
+    labels = torch.randint(0, v, lead, generator=g)
+    rows = labels.numel()
+    # a kept row and a masked one; rows without a label, kept (mask) ones among them
+    d["mask"].view(-1)[[i for i in (0, 1) if i < rows]] = torch.tensor([True, False])[:rows]
+    labels.view(-1)[[i for i in (2, 8, 10, 1) if i < rows]] = -100
+    d["labels"] = labels
+    return d
+
+
+def leaves(*xs, requires=True):
+    """Fresh leaf copies of ``xs`` (None stays None)."""
+    return [None if x is None else x.detach().clone().requires_grad_(requires) for x in xs]
+
+
+def backward(loss, grad_output):
+    """``loss.backward``: with ``grad_output`` for a per-row loss, without for a scalar."""
+    loss.backward(grad_output if loss.dim() else None)
 
 
 def logits(*shape, scale=2.0, dtype=torch.float32, seed=None):
@@ -163,6 +206,12 @@ def memory_events(fn):
     assert events, "the profiler recorded no [memory] events"
     events.sort(key=lambda e: e.start_ns())
     return events
+
+
+def machine_threads() -> int:
+    """The threads PyTorch gives one process on this machine (under pytest-xdist each worker
+    runs fewer: conftest.py)."""
+    return int(os.environ.get("TOPKD_TESTS_MACHINE_THREADS", torch.get_num_threads()))
 
 
 def free_port() -> int:

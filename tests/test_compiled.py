@@ -1,11 +1,54 @@
-"""Compiled chunk kernels (issue 9): ``impl="compile"`` equals ``impl="eager"`` on every loss,
-does not recompile when the row count changes, and falls back (or refuses) where the platform
-cannot compile; ``$TOPKD_IMPL`` replaces the default.
+"""Compiled chunk kernels (``impl="compile"``): equal to ``impl="eager"`` for every kernel
+variant, do not recompile when the row count changes, and fall back (or refuse) where the
+platform cannot compile; ``$TOPKD_IMPL`` replaces the default.
 
-The float64 reference tests run for both implementations (the ``both_impls`` fixture in
-``conftest.py``); these compare the two directly, to the issue's tolerances: loss 2e-6
-relative, float32 gradients 1e-5 relative to their largest magnitude, bf16 gradients within
-one bf16 ulp of each other elementwise.
+The float64 reference matrix (test_losses, test_divergences, test_select, test_reductions,
+test_numerics, test_fused) runs the eager kernels. Here the compiled ones are compared with
+eager through the public functions, one case per kernel variant, to these tolerances:
+loss 2e-6 relative, float32 gradients 1e-5 relative to their largest magnitude, bf16 / fp16
+gradients within one ulp of each other elementwise (``assert_agree``). The properties that
+hold within one implementation (the same bits for any ``chunk_bytes``, a 2**20 offset changes
+nothing, the selection against float64) are checked for the compiled kernels here too.
+
+Kernel variants (``topkd.backends.compiled``'s kernels as the engine's paths, the selection and the
+fused gradient call them) and the case that covers each (``CASES`` ids, ``*`` = one-pass
+``sum``/``mean``, the others two-pass ``none``):
+
+Top-K path (``sparse_statistics`` / ``sparse_gradient``)
+  - no labels, T = 1 ........................ ``topk-plain``
+  - labels, CE folded into the KD normalizer (T = 1): ``topk-labels_T1-reverse``,
+    ``fused_topk-softcap-labels_T1*``
+  - labels, CE with its own normalizer (T != 1): ``topk-labels_T2-tvd*`` (bf16),
+    ``sparse-normalize_topk-labels_T1.5``, ``fused_topk-scale_softcap-labels_T1.5``
+  - logit scale and softcap ................. ``fused_topk-scale_softcap-labels_T1.5``,
+    ``fused_topk-softcap-labels_T1*``
+  - normalize="topk", a SparseTeacher ....... ``sparse-normalize_topk-labels_T1.5``
+  - top-p, teacher -inf entries ............. ``topk-top_p-jsd-neg_inf*``
+  - float16 ................................. ``topk-fp16``
+Full-vocabulary path (``dense_statistics`` / ``dense_terms`` / ``dense_gradient``), every
+divergence with its own ``terms``:
+  - KL: labels, T != 1, -inf ................ ``kl-labels_T2-neg_inf``
+  - reverse KL: labels at T = 1 ............. ``kl-reverse_kl-labels_T1*`` (bf16)
+  - JSD ..................................... ``kl-jsd-neg_inf*``,
+    ``fused_kl-pair-scale_softcap-jsd``
+  - skew KL / skew reverse KL ............... ``kl-skew_kl-labels_T2``, ``kl-skew_reverse_kl*``
+  - TVD: labels, T != 1, -inf ............... ``kl-tvd-labels_T2-neg_inf``
+  - student and teacher scale and softcap ... ``fused_kl-pair-scale_softcap-jsd``,
+    ``fused_kl-softcap-reverse_kl*``
+  - float16 ................................. ``kl-fp16``
+  - a divergence without ``terms`` runs the eager path (``SquaredHellinger``)
+Fused student head (the logits made per block, the gradients of hidden, weight and bias):
+  every ``fused_*`` case; the weight's float32 accumulator (``accumulate_``: bf16 weight,
+  staged blocks of 64 rows or more) ``fused_topk-bf16-80rows*``, ``fused_kl-pair-bf16-80rows``
+Fused teacher head (the teacher's logits per block; its selection with a teacher scale and
+softcap): ``fused_topk-pair_bias-teacher_softcap-top_p``, ``fused_topk-pair_bias-T2*``
+  (the one-pass loss selects per chunk), ``fused_kl-pair-*``
+Top-K selection (``read`` / ``log_sum_exp``): every ``topk*`` and ``fused_topk*`` case, and
+``test_select_compiled`` (K = 1 / K < V / K = V, T != 1, top-p with ``top_p_min_k``, bf16 and
+fp16 ties, a peaky teacher's exact ghost, -inf entries, vocabulary padding) against eager and
+the float64 reference
+One row per kernel call (run as two), chunks of every height: ``test_no_recompiles_*``,
+``test_compiled_chunk_bytes_change_no_bit``
 """
 
 from __future__ import annotations
@@ -13,7 +56,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import reference as ref
 import torch
+from helpers import assert_teacher_matches, kd_inputs, leaves
 from torch._dynamo.utils import counters
 
 import topkd
@@ -21,118 +66,153 @@ import topkd.backends
 import topkd.backends.compiled
 
 V, K, H, H_T = 96, 7, 16, 12
-BF16, F32 = torch.bfloat16, torch.float32
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+NEG_INF = float("-inf")
 
 
-def _data(dtype, rows=20, seed=0):
-    g = torch.Generator().manual_seed(seed)
+def _data(dtype, lead=(4, 5), seed=0):
+    return kd_inputs(dtype, seed, lead=lead, v=V, hidden=H, teacher_hidden=H_T)
 
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
-    labels = torch.randint(0, V, (rows,), generator=g)
-    labels[::4] = -100
-    return {"s": rnd(rows, V, scale=2.0), "t": rnd(rows, V, scale=2.5), "h": rnd(rows, H),
-            "W": rnd(V, H, scale=2.0 / H ** 0.5), "b": rnd(V, scale=0.5),
-            "th": rnd(rows, H_T), "tW": rnd(V, H_T, scale=2.5 / H_T ** 0.5),
-            "mask": torch.rand(rows, generator=g) < 0.8, "labels": labels,
-            "go": torch.randn(rows, generator=g)}
+def _with_neg_inf(d):
+    """Teacher -inf entries: a row with its upper columns -inf (the student's too), a one-hot
+    row, a row with every third column -inf."""
+    d = dict(d)
+    s, t = d["s"].clone(), d["t"].clone()
+    s[0, 0, 60:] = t[0, 0, 60:] = NEG_INF
+    t[0, 1, :] = NEG_INF
+    t[0, 1, 5] = 0.0
+    t[1, 0, ::3] = NEG_INF
+    d["s"], d["t"] = s, t
+    return d
 
 
 def _call(loss, d, impl, **opts):
     """``(value, gradients)`` of one loss on fresh leaves."""
     fused = loss.startswith("fused")
-    leaves = [x.detach().clone().requires_grad_(True)
-              for x in ((d["h"], d["W"], d["b"]) if fused else (d["s"],))]
+    xs = leaves(*((d["h"], d["W"], d["b"]) if fused else (d["s"],)))
     t = d["t"]
     if loss == "sparse_kl_loss":
-        out = topkd.sparse_kl_loss(leaves[0], topkd.select_topk(t, K, impl=impl), impl=impl,
-                                   **opts)
+        select = {n: opts.pop(n) for n in ("temperature", "top_p", "top_p_min_k") if n in opts}
+        teacher = topkd.select_topk(t, K, impl=impl, **select)
+        out = topkd.sparse_kl_loss(xs[0], teacher, impl=impl, **opts)
     elif loss == "topk_kl_loss":
-        out = topkd.topk_kl_loss(leaves[0], t, K, impl=impl, **opts)
+        out = topkd.topk_kl_loss(xs[0], t, K, impl=impl, **opts)
     elif loss == "kl_loss":
-        out = topkd.kl_loss(leaves[0], t, impl=impl, **opts)
+        out = topkd.kl_loss(xs[0], t, impl=impl, **opts)
     elif loss == "fused_topk_logits":
-        out = topkd.fused_topk_kl_loss(*leaves[:2], t, K, bias=leaves[2], impl=impl, **opts)
-    elif loss == "fused_topk_pair":
-        out = topkd.fused_topk_kl_loss(*leaves[:2], (d["th"], d["tW"]), K, bias=leaves[2],
+        out = topkd.fused_topk_kl_loss(*xs[:2], t, K, bias=xs[2], impl=impl, **opts)
+    elif loss == "fused_topk_pair":  # a teacher LM head with a bias
+        out = topkd.fused_topk_kl_loss(*xs[:2], (d["th"], d["tW"], d["tb"]), K, bias=xs[2],
                                        impl=impl, **opts)
     elif loss == "fused_kl_logits":
-        out = topkd.fused_kl_loss(*leaves[:2], t, bias=leaves[2], impl=impl, **opts)
+        out = topkd.fused_kl_loss(*xs[:2], t, bias=xs[2], impl=impl, **opts)
     else:
         assert loss == "fused_kl_pair"
-        out = topkd.fused_kl_loss(*leaves[:2], (d["th"], d["tW"]), bias=leaves[2], impl=impl,
-                                  **opts)
+        out = topkd.fused_kl_loss(*xs[:2], (d["th"], d["tW"]), bias=xs[2], impl=impl, **opts)
     out.backward(d["go"] if out.dim() else None)
-    return out.detach(), [x.grad for x in leaves]
+    return out.detach(), [x.grad for x in xs]
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
-    """One bf16 ulp at each element's magnitude."""
-    e = torch.frexp(x.float().abs().clamp_min(2.0 ** -126))[1]
-    return torch.ldexp(torch.ones_like(x, dtype=F32), e - 8)
+    """One ulp of ``x``'s dtype at each element (bf16: 8 significant bits; fp16: 11, and its
+    subnormals' fixed spacing 2**-24)."""
+    info = torch.finfo(x.dtype)
+    bits = 8 if x.dtype == BF16 else 11
+    e = torch.frexp(x.float().abs().clamp_min(info.tiny))[1]
+    ulp = torch.ldexp(torch.ones_like(x, dtype=F32), e - bits)
+    return ulp.clamp_min(info.smallest_normal * info.eps)
 
 
 def assert_agree(eager, compiled, what):
     (le, ge), (lc, gc) = eager, compiled
+    assert torch.equal(torch.isfinite(le), torch.isfinite(lc)), f"{what}: finite losses differ"
+    le, lc = le[torch.isfinite(le)], lc[torch.isfinite(lc)]
     rel = ((lc.double() - le.double()).abs() / le.double().abs().clamp_min(1e-30)).max()
     assert rel <= 2e-6 or (lc - le).abs().max() <= 1e-7, f"{what}: loss rel diff {rel:.2e}"
     for a, b in zip(ge, gc, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), f"{what}: gradient"
         if a.dtype == F32:
             err = (a - b).abs().max() / a.abs().max().clamp_min(1e-30)
             assert err <= 1e-5, f"{what}: float32 gradient rel diff {err:.2e}"
         else:
             ulp = torch.maximum(_ulp(a), _ulp(b))
             bad = (a.float() - b.float()).abs() > ulp
-            assert not bad.any(), f"{what}: {int(bad.sum())} gradient entries > 1 bf16 ulp apart"
+            assert not bad.any(), f"{what}: {int(bad.sum())} gradient entries > 1 ulp apart"
 
 
-LOSSES = ["sparse_kl_loss", "topk_kl_loss", "kl_loss", "fused_topk_logits", "fused_topk_pair",
-          "fused_kl_logits", "fused_kl_pair"]
-OPTIONS = {
-    "plain": {},
-    "jsd-T2": {"divergence": topkd.JSD(0.3), "temperature": 2.0},
-    "ce-softcap": {"divergence": "reverse_kl", "ce_weight": 0.5, "softcap": 20.0},
-    "ce-T2-tvd": {"divergence": "tvd", "ce_weight": 1.0, "temperature": 2.0},
-    "skew": {"divergence": topkd.SkewReverseKL(0.2), "logit_scale": 0.5},
+def _labels(ce_weight, **opts):
+    return dict(opts, labels=True, ce_weight=ce_weight)
+
+
+# id: (loss, dtype, reduction, options, rows [lead], -inf entries)
+CASES = {
+    # Top-K path
+    "topk-plain": ("topk_kl_loss", F32, "none", {}, (4, 5), False),
+    "topk-labels_T1-reverse": ("topk_kl_loss", F32, "none",
+                               _labels(0.5, reverse=True), (4, 5), False),
+    "topk-labels_T2-tvd": ("topk_kl_loss", BF16, "mean",
+                           _labels(1.0, divergence="tvd", temperature=2.0), (4, 5), False),
+    "topk-top_p-jsd-neg_inf": ("topk_kl_loss", F32, "sum",
+                               dict(top_p=0.8, top_p_min_k=2, temperature=0.7,
+                                    divergence=topkd.JSD(0.3)), (4, 5), True),
+    "topk-fp16": ("topk_kl_loss", F16, "none", dict(top_p=0.9, reverse=True), (4, 5), False),
+    "sparse-normalize_topk-labels_T1.5": ("sparse_kl_loss", F32, "none", _labels(
+        0.3, normalize="topk", divergence=topkd.SkewReverseKL(0.2), temperature=1.5),
+        (4, 5), False),
+    "fused_topk-scale_softcap-labels_T1.5": ("fused_topk_logits", F32, "none", _labels(
+        0.5, logit_scale=0.5, softcap=20.0, temperature=1.5, divergence="jsd"), (4, 5), False),
+    "fused_topk-softcap-labels_T1": ("fused_topk_logits", BF16, "mean", _labels(
+        1.0, softcap=8.0, divergence="reverse_kl"), (4, 5), False),
+    # Full-vocabulary path: each divergence with its own terms
+    "kl-labels_T2-neg_inf": ("kl_loss", F32, "none", _labels(0.5, temperature=2.0), (4, 5),
+                             True),
+    "kl-reverse_kl-labels_T1": ("kl_loss", BF16, "mean", _labels(1.0, divergence="reverse_kl"),
+                                (4, 5), False),
+    "kl-jsd-neg_inf": ("kl_loss", F32, "sum", dict(divergence=topkd.JSD(0.3), temperature=0.7),
+                       (4, 5), True),
+    "kl-skew_kl-labels_T2": ("kl_loss", F32, "none",
+                             _labels(0.5, divergence=topkd.SkewKL(0.2), temperature=2.0),
+                             (4, 5), True),
+    "kl-skew_reverse_kl": ("kl_loss", BF16, "mean", dict(divergence=topkd.SkewReverseKL(0.2)),
+                           (4, 5), False),
+    "kl-tvd-labels_T2-neg_inf": ("kl_loss", F32, "none",
+                                 _labels(1.0, divergence="tvd", temperature=2.0), (4, 5), True),
+    "kl-fp16": ("kl_loss", F16, "none", dict(reverse=True), (4, 5), False),
+    "fused_kl-pair-scale_softcap-jsd": ("fused_kl_pair", F32, "none", _labels(
+        0.5, logit_scale=0.6, softcap=4.0, teacher_logit_scale=1.5, teacher_softcap=6.0,
+        temperature=1.3, divergence=topkd.JSD(0.3)), (4, 5), False),
+    "fused_kl-softcap-reverse_kl": ("fused_kl_logits", BF16, "mean", _labels(
+        1.0, softcap=2.5, teacher_logit_scale=0.5, divergence="reverse_kl"), (4, 5), False),
+    # Fused teacher head
+    "fused_topk-pair_bias-teacher_softcap-top_p": ("fused_topk_pair", F32, "none", dict(
+        teacher_logit_scale=0.5, teacher_softcap=6.0, top_p=0.9, divergence="skew_kl"),
+        (4, 5), False),
+    "fused_topk-pair_bias-T2": ("fused_topk_pair", BF16, "mean",
+                                _labels(0.5, temperature=2.0, divergence="tvd"), (4, 5), False),
+    # Fused student head with the weight's float32 accumulator (bf16, >= 64 staged rows)
+    "fused_topk-bf16-80rows": ("fused_topk_logits", BF16, "mean", {}, (8, 10), False),
+    "fused_topk-bf16-80rows-none": ("fused_topk_logits", BF16, "none",
+                                    dict(temperature=2.0), (8, 10), False),
+    "fused_kl-pair-bf16-80rows": ("fused_kl_pair", BF16, "none", dict(divergence="tvd"),
+                                  (8, 10), False),
 }
 
 
-def _options(loss, name):
-    opts = dict(OPTIONS[name])
-    if not loss.startswith("fused"):  # the logit transforms are the fused losses' options
-        opts.pop("softcap", None)
-        opts.pop("logit_scale", None)
-    if loss == "sparse_kl_loss":
-        opts.pop("temperature", None)  # the SparseTeacher's own
-    return opts
-
-
-def _agreement_cases():
-    """Every loss three times: two option sets in float32 per row (the two-pass path) and one
-    in bf16 reduced to a mean (the one-pass path), the sets rotating so that every set meets
-    every loss path (the float64 reference tests run compiled on the full matrix too)."""
-    names = list(OPTIONS)
-    cases = []
-    for i, loss in enumerate(LOSSES):
-        for j, (dtype, reduction) in enumerate([(F32, "none"), (F32, "none"), (BF16, "mean")]):
-            options = names[(2 * i + j) % len(names)]
-            tag = "fp32" if dtype == F32 else "bf16"
-            cases.append(pytest.param(loss, options, dtype, reduction,
-                                      id=f"{loss}-{options}-{tag}-{reduction}"))
-    return cases
-
-
-@pytest.mark.parametrize("loss,options,dtype,reduction", _agreement_cases())
-def test_compile_equals_eager(loss, options, dtype, reduction):
-    d = _data(dtype)
-    opts = _options(loss, options)
-    if "ce_weight" in opts:
+@pytest.mark.parametrize("case", CASES)
+def test_compile_equals_eager(case):
+    loss, dtype, reduction, opts, lead, neg_inf = CASES[case]
+    d = _data(dtype, lead)
+    if neg_inf:
+        d = _with_neg_inf(d)
+    opts = dict(opts, reduction=reduction)
+    if opts.get("labels") is True:
         opts["labels"] = d["labels"]
-    opts.update(reduction=reduction, mask=d["mask"] if reduction == "mean" else None)
-    what = f"{loss} {options} {dtype} {reduction}"
-    assert_agree(_call(loss, d, "eager", **opts), _call(loss, d, "compile", **opts), what)
+    if reduction != "none":
+        opts["mask"] = d["mask"]
+    assert_agree(_call(loss, d, "eager", **dict(opts)), _call(loss, d, "compile", **dict(opts)),
+                 case)
 
 
 def test_agreement_check_can_fail():
@@ -141,11 +221,149 @@ def test_agreement_check_can_fail():
     d = _data(F32)
     eager = _call("kl_loss", d, "eager")
     moved = (eager[0], [eager[1][0].clone()])
-    moved[1][0][3, 5] += 1e-3 * eager[1][0].abs().max()
+    moved[1][0][3, 4, 5] += 1e-3 * eager[1][0].abs().max()
     with pytest.raises(AssertionError, match="gradient"):
         assert_agree(eager, moved, "moved")
     with pytest.raises(AssertionError, match="loss"):
         assert_agree(eager, (eager[0] * (1 + 1e-5), eager[1]), "scaled")
+    low = _call("kl_loss", _data(BF16), "eager")
+    moved = low[1][0].clone()
+    moved[1, 2, 3] = moved[1, 2, 3].float() * (1 + 2 ** -6)
+    with pytest.raises(AssertionError, match="ulp"):
+        assert_agree(low, (low[0], [moved]), "bf16 moved")
+
+
+def test_divergence_without_terms_runs_eager(monkeypatch):
+    """A user's divergence with only ``pointwise`` runs the eager full-vocabulary path under
+    ``impl="compile"`` (its Top-K path, on the buckets, compiles): equal to eager."""
+
+    class SquaredHellinger(topkd.Divergence):
+        name = "squared_hellinger"
+
+        def pointwise(self, logp, logq):
+            return (torch.exp(0.5 * logq) - torch.exp(0.5 * logp)) ** 2
+
+    d = _data(F32)
+    for loss in ("kl_loss", "topk_kl_loss"):
+        opts = dict(divergence=SquaredHellinger(), temperature=1.5)
+        assert_agree(_call(loss, d, "eager", **opts), _call(loss, d, "compile", **opts),
+                     f"{loss} SquaredHellinger")
+
+
+# ------------------------------------------------------------------ Top-K selection
+
+
+SELECT_CASES = {
+    # id: (dtype, rows, width, k, options, teacher transform)
+    "k1-T0.7": (F32, 15, 600, 1, dict(temperature=0.7), None),
+    "k300-T2": (F32, 15, 600, 300, dict(temperature=2.0), None),
+    "kV": (F32, 15, 600, 600, {}, None),
+    "top_p-min_k": (F32, 16, 600, 40, dict(top_p=0.3, top_p_min_k=6), None),
+    "top_p-tiny": (F32, 16, 600, 40, dict(top_p=1e-6, top_p_min_k=4), None),
+    "bf16-ties-top_p": (BF16, 12, 300, 64, dict(top_p=0.7, top_p_min_k=2), None),
+    "fp16-ties-top_p": (F16, 12, 300, 64, dict(top_p=0.7, top_p_min_k=2), None),
+    "peaky": (F32, 8, 1000, 16, {}, "peaky"),
+    "neg_inf": (F32, 6, 64, 30, {}, "neg_inf"),
+    "vocab_size": (F32, 4, 128, 10, dict(vocab_size=100), "padding"),
+}
+
+
+def _select_teacher(dtype, rows, width, transform):
+    g = torch.Generator().manual_seed(rows + width)
+    if transform == "peaky":  # the top-K hold all but ~1e-13 of the mass: log q_g ~ -30
+        t = torch.full((rows, width), -34.0)
+        t[:, :16] = torch.rand(rows, 16, generator=g)
+        t[:, 16:] += torch.rand(rows, width - 16, generator=g)
+        return t
+    if dtype != F32:  # many exact ties
+        return (torch.randn(rows, width, generator=g) * 2).to(dtype)
+    t = torch.randn(rows, width, generator=g) * 3
+    if transform == "neg_inf":
+        t[:, 20:] = NEG_INF
+        t[0, :] = NEG_INF
+        t[0, 3] = 1.0
+    elif transform == "padding":
+        t[:, 100:] = 50.0  # would win every selection if they were looked at
+    return t
+
+
+@pytest.mark.parametrize("case", SELECT_CASES)
+def test_select_compiled(case):
+    """The compiled selection equals eager (indices and the kept and ghost log-probs) and the
+    float64 reference, to test_select's tolerances."""
+    dtype, rows, width, k, opts, transform = SELECT_CASES[case]
+    t = _select_teacher(dtype, rows, width, transform)
+    got = topkd.select_topk(t, k, impl="compile", **opts)
+    eager = topkd.select_topk(t, k, impl="eager", **opts)
+    assert torch.equal(got.indices, eager.indices)
+    for a, b in ((got.logprobs, eager.logprobs), (got.rest_logprob, eager.rest_logprob)):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+        torch.testing.assert_close(a[torch.isfinite(a)], b[torch.isfinite(b)], rtol=1e-6,
+                                   atol=1e-6)
+    r = ref.select(t, k, **{n: v for n, v in opts.items()
+                            if n in ("top_p", "temperature", "vocab_size")},
+                   top_p_min_k=opts.get("top_p_min_k", 1))
+    if "top_p" in opts:
+        assert ref.top_p_margin(r, opts["top_p"], opts.get("top_p_min_k", 1)) > 1e-5
+    if transform == "peaky":
+        assert float(r["rest_logprob"].max()) < -25
+    assert_teacher_matches(got, r, k=k, vocab_size=opts.get("vocab_size", width),
+                           temperature=opts.get("temperature", 1.0),
+                           rest_rtol=1e-6 if transform == "peaky" else 1e-5)
+
+
+# ----------------------------------------------- properties within the compiled kernels
+
+
+CHUNKS = [1, 3000, 20000, None]  # 1 byte: the least rows per chunk; a few rows; the default
+
+
+@pytest.mark.parametrize("loss,dtype", [("topk", BF16), ("kl", F32)])
+def test_compiled_chunk_bytes_change_no_bit(loss, dtype):
+    """As test_numerics' chunk tests: integer-valued logits (ties at the K-th value), the same
+    bits for any chunk_bytes (a one-row kernel call runs as two rows for this), for the Top-K
+    loss and the SparseTeacher loss; equal to eager."""
+    n, v = 24, 200
+    g = torch.Generator().manual_seed(5)
+    s = torch.randint(-4, 5, (n, v), generator=g).to(dtype)
+    t = torch.randint(-4, 5, (n, v), generator=g).to(dtype)
+    d = {"s": s, "t": t, "go": torch.randn(n, generator=g)}
+    results = []
+    for cb in CHUNKS:
+        if loss == "topk":
+            opts = dict(top_p=0.8, top_p_min_k=3, chunk_bytes=cb)
+            results.append(_call("topk_kl_loss", d, "compile", **opts))
+            results.append(_call("sparse_kl_loss", d, "compile", **opts))
+        else:
+            results.append(_call("kl_loss", d, "compile", reverse=True, chunk_bytes=cb))
+    for i, (loss_i, grads_i) in enumerate(results[1:], 1):
+        assert torch.equal(results[0][0], loss_i), f"loss differs for case {i}"
+        assert torch.equal(results[0][1][0], grads_i[0]), f"gradient differs for case {i}"
+    if loss == "topk":
+        eager = _call("topk_kl_loss", d, "eager", top_p=0.8, top_p_min_k=3)
+    else:
+        eager = _call("kl_loss", d, "eager", reverse=True)
+    assert_agree(eager, results[0], f"{loss} compiled vs eager")
+
+
+@pytest.mark.parametrize("loss,opts", [("topk", dict(top_p=0.9, top_p_min_k=2)),
+                                       ("kl", dict(temperature=2.0))], ids=["topk", "kl"])
+def test_compiled_offset_2_20_changes_nothing(loss, opts):
+    """As test_numerics: a common offset of 2**20 on the student's and the teacher's logits
+    changes the loss and gradient by at most 1e-6 (SPEC 4); equal to eager."""
+    n, v = 10, 300
+    g = torch.Generator().manual_seed(1)
+    s = torch.randint(-64, 65, (n, v), generator=g).float() / 8  # exact with 2**20 added
+    t = torch.randint(-64, 65, (n, v), generator=g).float() / 8
+    go = torch.randn(n, generator=g)
+    name = "topk_kl_loss" if loss == "topk" else "kl_loss"
+    base = {"s": s, "t": t, "go": go}
+    moved = {"s": s + 2.0 ** 20, "t": t + 2.0 ** 20, "go": go}
+    l0, (g0,) = _call(name, base, "compile", **opts)
+    l1, (g1,) = _call(name, moved, "compile", **opts)
+    assert float((l1 - l0).abs().max() / l0.abs().max()) <= 1e-6, (l0, l1)
+    assert float((g1 - g0).abs().max()) <= 1e-6, float((g1 - g0).abs().max())
+    assert_agree(_call(name, base, "eager", **opts), (l1, [g1]), f"{loss} offset")
 
 
 # ----------------------------------------------------------------------- no recompiles
@@ -158,7 +376,7 @@ def test_no_recompiles_across_row_counts(loss):
     compiled kernels are built by the first three calls and never again."""
     graphs = []
     for rows in (24, 37, 1, 64, 5, 50, 13, 2):
-        d = _data(F32, rows=rows, seed=rows)
+        d = _data(F32, lead=(rows,), seed=rows)
         for reduction in ("none", "mean"):
             _call(loss, d, "compile", reduction=reduction, chunk_bytes=3 * 4 * (V + 1) * 4)
         graphs.append(counters["stats"]["unique_graphs"])
@@ -168,7 +386,7 @@ def test_no_recompiles_across_row_counts(loss):
 def test_recompile_counter_counts():
     """The counter above is live: a new dtype compiles new graphs."""
     before = counters["stats"]["unique_graphs"]
-    _call("kl_loss", _data(torch.float16, rows=9), "compile")
+    _call("kl_loss", _data(torch.float16, lead=(9,)), "compile")
     assert counters["stats"]["unique_graphs"] > before
 
 

@@ -21,7 +21,10 @@ from helpers import (
     assert_grad_close,
     assert_loss_close,
     grad_err,
+    kd_inputs,
 )
+from helpers import backward as _backward
+from helpers import leaves as _leaves
 
 import topkd
 
@@ -34,42 +37,12 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 
 def _data(dtype=F32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-    d = {
-        "s": rnd(*LEAD, V, scale=2.0),  # student logits
-        "t": rnd(*LEAD, V, scale=2.5),  # teacher logits
-        "h": rnd(*LEAD, H),
-        "W": rnd(V, H, scale=2.0 / H ** 0.5),
-        "b": rnd(V, scale=0.5),
-        "th": rnd(*LEAD, H_T),
-        "tW": rnd(V, H_T, scale=2.5 / H_T ** 0.5),
-        "tb": rnd(V, scale=0.5),
-    }
-    d["go"] = torch.randn(LEAD, generator=g, dtype=torch.float64).float()
-    d["mask"] = torch.rand(LEAD, generator=g) < 0.7
-    d["mask"][0, 0], d["mask"][0, 1] = True, False
-    labels = torch.randint(0, V, LEAD, generator=g)
-    labels[0, 2] = labels[1, 3] = labels[2, 0] = -100  # kept (mask) rows without a label
-    labels[0, 1] = -100
-    d["labels"] = labels
-    return d
+    return kd_inputs(dtype, seed, lead=LEAD, v=V, hidden=H, teacher_hidden=H_T)
 
 
 def _pair_logits(d, bias=True):
     """The (hidden, weight[, bias]) teacher's logits, made in its dtype as topkd makes them."""
     return F.linear(d["th"], d["tW"], d["tb"] if bias else None)
-
-
-def _leaves(*xs):
-    return [None if x is None else x.detach().clone().requires_grad_(True) for x in xs]
-
-
-def _backward(loss, go):
-    loss.backward(go if loss.dim() else None)
 
 
 # ------------------------------------------------------------------- paths and references
@@ -208,7 +181,6 @@ def _matrix():
     return cases
 
 
-@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("path,div,dtype,T,reduction", _matrix())
 def test_divergence_matches_reference(path, div, dtype, T, reduction):
     d = _data(dtype, seed=1)
@@ -457,7 +429,6 @@ def test_modules_take_labels_per_call():
 
 # ------------------------------------------------------- 4. softcap and logit scale (fused)
 
-@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 @pytest.mark.parametrize("path,transforms", [
     ("fused_topk_pair", dict(logit_scale=0.6, softcap=4.0, teacher_logit_scale=1.5,

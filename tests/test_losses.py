@@ -56,7 +56,6 @@ def _check_top_p_margin(t, k, opts):
     assert m > 1e-5, f"test input too close to a top-p boundary ({m})"
 
 
-@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("case", TOPK_CASES, ids=_ids)
 def test_topk_kl_loss_matches_reference(case):
     k, opts = case
@@ -69,7 +68,6 @@ def test_topk_kl_loss_matches_reference(case):
     assert_grad_close(grad, rg, torch.float32)
 
 
-@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("case", TOPK_CASES[::2], ids=_ids)
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_topk_kl_loss_reductions_match_reference(case, reduction):
@@ -102,7 +100,6 @@ def test_sparse_kl_loss_is_topk_kl_loss_of_select_topk(case):
     assert_grad_close(g1, rg, torch.float32)
 
 
-@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 2.5])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_kl_loss_matches_reference(temperature, reverse):
@@ -127,7 +124,6 @@ def test_k_equals_v_is_kl_loss(reverse, temperature):
     assert ge <= 2e-6, ge
 
 
-@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("fn", ["topk", "kl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reverse", [False, True])
@@ -204,7 +200,6 @@ def test_noncontiguous_vocab_stride():
     assert_grad_close(grad[:, ::2].contiguous(), rg, torch.float32)
 
 
-@pytest.mark.usefixtures("both_impls")  # eager and compiled kernels
 @pytest.mark.parametrize("fn", ["topk", "kl", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vocab_size_padding(fn, dtype):

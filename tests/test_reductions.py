@@ -7,9 +7,6 @@ from helpers import assert_grad_close, assert_loss_close, logits, run
 
 import topkd
 
-# float64-reference checks: run for the eager and the compiled kernels (conftest.py)
-pytestmark = pytest.mark.usefixtures("both_impls")
-
 V = 256
 
 

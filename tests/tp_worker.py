@@ -479,26 +479,43 @@ def run_rank(rank, world, port, result_dir, body):
             dist.destroy_process_group()
 
 
-def worker(rank, world, port, layouts, check_comm, result_dir):
-    def body(group, failures):
-        for width, sizes, vocab_size in layouts:
-            run_layout(group, rank, width, sizes, vocab_size, failures)
-        if check_comm:
-            run_communication(group, rank, failures)
-        run_edge_cases(group, rank, failures)
-
-    run_rank(rank, world, port, result_dir, body)
-
-
 # The compiled kernels' run: each rank compiles its own kernels, so two cases that cover both
 # paths, a mask, one-row chunks and the CE term with its own normalizer.
 COMPILED_CASES = ("topk mask mean chunk_bytes=1", "kl JSD(0.1) ce T=2 mask mean chunk_bytes=1")
 
 
-def compiled_worker(rank, world, port, layouts, result_dir):
+def worker(rank, world, port, plan, result_dir):
+    """Every tensor-parallel check of one spawned group (starting the ranks is the slow part),
+    in order: ``plan["layouts"]``, the logits losses for each ``(width, shard sizes,
+    vocab_size)``; the communication volume if ``plan["communication"]``; the edge cases;
+    ``plan["fused"]``, the fused losses (fused_tp_worker) for each layout, and in bf16 for the
+    first; ``plan["compiled"]``, :data:`COMPILED_CASES` with the compiled kernels."""
     def body(group, failures):
-        for width, sizes, vocab_size in layouts:
-            run_layout(group, rank, width, sizes, vocab_size, failures,
-                       names=COMPILED_CASES)
+        for width, sizes, vocab_size in plan.get("layouts", ()):
+            run_layout(group, rank, width, sizes, vocab_size, failures)
+        if plan.get("communication"):
+            run_communication(group, rank, failures)
+        run_edge_cases(group, rank, failures)
+        fused = plan.get("fused", ())
+        if fused:
+            import fused_tp_worker
+
+            for width, sizes, vocab_size in fused:
+                fused_tp_worker.run_layout(group, rank, width, sizes, vocab_size, failures)
+            width, sizes, vocab_size = fused[0]
+            fused_tp_worker.run_layout(group, rank, width, sizes, vocab_size, failures,
+                                       dtype=torch.bfloat16, seed=1)
+        if plan.get("compiled"):
+            impl = os.environ.get("TOPKD_IMPL")
+            os.environ["TOPKD_IMPL"] = "compile"
+            try:
+                for width, sizes, vocab_size in plan["compiled"]:
+                    run_layout(group, rank, width, sizes, vocab_size, failures,
+                               names=COMPILED_CASES)
+            finally:
+                if impl is None:
+                    del os.environ["TOPKD_IMPL"]
+                else:
+                    os.environ["TOPKD_IMPL"] = impl
 
     run_rank(rank, world, port, result_dir, body)
