@@ -1,4 +1,4 @@
-"""Shared test helpers: input generation and the SPEC section 4 tolerances."""
+"""Shared test helpers: input generation and the accuracy tolerances."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-# SPEC section 4
+# accuracy against the float64 reference
 LOSS_RTOL = 1e-5  # loss vs float64, relative
 GRAD_TOL_F32 = 1e-5  # gradient max-abs error / max |reference gradient|, float32 inputs
 GRAD_TOL_LOWP = 1e-3  # the same, bf16 / fp16 inputs
@@ -131,7 +131,7 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def assert_bf16_grad_close(grad, ref, what="gradient"):
-    """SPEC asks for |g - g_ref| within 1e-3 of max|g_ref| at bf16. Rounding a float64 gradient
+    """The tolerance is |g - g_ref| within 1e-3 of max|g_ref| at bf16. Rounding a float64 gradient
     to bf16 alone moves an element near the max by up to half a bf16 ulp = 2^-9 ~ 1.95e-3 of its
     value, so 1e-3 of the max magnitude is impossible for a bf16 gradient tensor. We therefore
     check the part of the bound that is achievable: every element is within one bf16 ulp (at the
@@ -177,7 +177,7 @@ def assert_teacher_matches(st, ref, *, k, vocab_size, temperature, lp_atol=2e-6,
     torch.testing.assert_close(st.logprobs[finite].to(torch.float64), rl[finite],
                                rtol=lp_rtol, atol=lp_atol)
     # Slots with zero teacher mass: -inf log-prob. Dropped by top-p: -1 index. Selected entries
-    # whose teacher logit is -inf carry their vocabulary index by the SPEC definition (S is
+    # whose teacher logit is -inf carry their vocabulary index by the loss's definition (S is
     # the K largest, ties to the lower index); -1 there is loss-equivalent for forward KL, so
     # we accept it unless lenient_neg_inf is False.
     assert torch.all(st.logprobs[~finite] == float("-inf")), st.logprobs[~finite]
@@ -198,7 +198,7 @@ def assert_teacher_matches(st, ref, *, k, vocab_size, temperature, lp_atol=2e-6,
 
 def memory_events(fn):
     """Run fn() under the profiler with profile_memory=True; return the allocator's signed
-    [memory] events in time order (SPEC section 4's method)."""
+    [memory] events in time order (the profiler method)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
         fn()

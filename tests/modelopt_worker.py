@@ -36,7 +36,7 @@ from modelopt.torch.distill.plugins import megatron as mo  # noqa: E402
 from topkd.integrations import megatron as tmeg  # noqa: E402
 from topkd.integrations import modelopt as tmo  # noqa: E402
 
-ONE_PROCESS_RTOL = 1e-6  # SPEC 4: TP loss vs one process (of the batch's loss scale)
+ONE_PROCESS_RTOL = 1e-6  # TP loss vs one process (of the batch's loss scale)
 ONE_PROCESS_GRAD = 1e-5  # gradient shard vs one process, of max |gradient|
 REF_RTOL = 1e-5  # loss vs float64, of the batch's loss scale
 REF_GRAD = 1e-5  # gradient vs float64, of max |reference gradient|

@@ -350,7 +350,7 @@ def test_compiled_chunk_bytes_change_no_bit(loss, dtype):
                                        ("kl", dict(temperature=2.0))], ids=["topk", "kl"])
 def test_compiled_offset_2_20_changes_nothing(loss, opts):
     """As test_numerics: a common offset of 2**20 on the student's and the teacher's logits
-    changes the loss and gradient by at most 1e-6 (SPEC 4); equal to eager."""
+    changes the loss and gradient by at most 1e-6; equal to eager."""
     n, v = 10, 300
     g = torch.Generator().manual_seed(1)
     s = torch.randint(-64, 65, (n, v), generator=g).float() / 8  # exact with 2**20 added

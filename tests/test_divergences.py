@@ -1,4 +1,4 @@
-"""The divergence family, the hard-label term and the fused logit transforms (issue 5).
+"""The divergence family, the hard-label term and the fused logit transforms .
 
 Every check compares forward and gradient with the independent float64 reference
 (``reference.py``): the six divergences (with non-default beta/alpha) on every loss path, the

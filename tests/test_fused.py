@@ -1,11 +1,11 @@
-"""Fused LM-head losses (issue 3): fused_topk_kl_loss, fused_kl_loss and their modules.
+"""Fused LM-head losses: fused_topk_kl_loss, fused_kl_loss and their modules.
 
 The fused losses take the student's hidden states and LM head instead of its logits. They must
 equal the unfused losses on ``F.linear(hidden, weight, bias)`` (loss and the gradients of
 hidden, weight and bias) to float32 rounding, for every teacher kind (logits, SparseTeacher,
 ``(teacher_hidden, teacher_weight[, teacher_bias])``) and option; in bf16 they are compared
 with a float64 chain-rule reference. Also: non-contiguous hidden states, frozen parameters,
-the modules, the memory bound of SPEC 4 / issue 3, and the input checks.
+the modules, the memory bound, and the input checks.
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ def _assert_f32_close_to_reference(result, refr, what):
 
 
 def _assert_bf16_close_to_reference(result, refr, what, unfused):
-    """bf16: loss within 1e-5 relative of float64 (SPEC 4). Gradients: no further from the
+    """bf16: loss within 1e-5 relative of float64. Gradients: no further from the
     float64 chain-rule gradient than the unfused PyTorch path (F.linear, then the logits loss,
     then autograd), which rounds the logits gradient to bf16 before the two products; the
     fused path does the same for the hidden states' product and accumulates the weight's in
@@ -508,7 +508,7 @@ def test_sparse_teacher_module_takes_k_from_teacher():
 # ----------------------------------------------------------------------------- memory
 
 MEM_ROWS, MEM_H, MEM_V, MEM_K = 512, 256, 32000, 512
-MEM_BOUND = 0.25  # x the bytes of the student logits [rows, V] in bf16 (SPEC 4, issue 3)
+MEM_BOUND = 0.25  # x the bytes of the student logits [rows, V] in bf16
 
 
 def _memory_inputs(teacher, rows=MEM_ROWS):
@@ -530,7 +530,7 @@ def _memory_inputs(teacher, rows=MEM_ROWS):
 
 
 def _peak_not_counting(fn, allowed):
-    """SPEC 4's profiler method (as test_memory._peak_above_start): the running sum of the
+    """The profiler method (as test_memory._peak_above_start): the running sum of the
     allocator's signed [memory] events in time order, bytes above what was allocated when
     profiling began. ``allowed`` maps an allocation size in bytes to how many live blocks of
     that size are not counted (the returned gradients, the float32 weight accumulator) while
@@ -637,7 +637,7 @@ MEMORY_COMPILED = ("topk-logits", "jsd-ce-softcap-pair")
     *((case, "compile", "native") for case in MEMORY_COMPILED),
 ], indirect=["gemm"])
 def test_peak_memory_bound(case, impl, gemm):
-    """The fused losses' peak <= 0.25 x the student logits' bytes (K / V as at SPEC 4's
+    """The fused losses' peak <= 0.25 x the student logits' bytes (K / V as at the benchmarks'
     shape, 4,096 / 248,320), for both kernel implementations and both kinds of matrix
     product (the workspace of oneDNN's is counted in the fused budget)."""
     ratio = peak_ratio(case, impl)

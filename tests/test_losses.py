@@ -89,7 +89,7 @@ def test_sparse_kl_loss_is_topk_kl_loss_of_select_topk(case):
     teacher = topkd.select_topk(t, k, **sel_opts)
     l1, g1 = run(topkd.sparse_kl_loss, s, teacher, grad_output=g, **loss_opts)
     l2, g2 = run(topkd.topk_kl_loss, s, t, k, grad_output=g, **opts)
-    # SPEC 2: topk_kl_loss(s, t, k, ...) *is* sparse_kl_loss(s, select_topk(t, k, ...), ...)
+    # topk_kl_loss(s, t, k, ...) *is* sparse_kl_loss(s, select_topk(t, k, ...), ...)
     assert torch.equal(l1, l2)
     assert torch.equal(g1, g2)
     # and the offline path against the reference too

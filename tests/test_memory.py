@@ -1,4 +1,5 @@
-"""Peak memory above the inputs, forward + backward, with the profiler method of SPEC 4."""
+"""Peak memory above the inputs, forward + backward, with the profiler method
+(docs/benchmarks.md)."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import topkd
 ROWS, VOCAB, K = 256, 32000, 512
 CHUNK = 1 << 20  # 1 MiB: 8 float32 rows per chunk at this vocabulary
 # At this shape the [rows, K] state (int64 indices, float32 log-probs, ...) is ~0.16 x the bf16
-# logits (the same fraction as at SPEC's V = 248,320, K = 4,096, since K / V is the same), and
+# logits (the same fraction as at V = 248,320, K = 4,096, since K / V is the same), and
 # each float32 chunk-sized buffer is chunk_bytes / 15.6 MiB of them (0.0625 x at 1 MiB).
 BOUND = 1.25  # x the student logits' bytes; 1.0 of it is the gradient
 

@@ -104,7 +104,7 @@ def test_offset_2_20_changes_nothing(which, case):
         fr = lambda a, b: ref.full_loss(a, b, **opts)  # noqa: E731
     l0, g0 = run(f, s, t, grad_output=gout)
     l1, g1 = run(f, s_off, t_off, grad_output=gout)
-    # SPEC 4: loss and gradient unchanged to 1e-6
+    # loss and gradient unchanged to 1e-6
     assert float((l1 - l0).abs().max() / l0.abs().max()) <= 1e-6, (l0, l1)
     assert float((g1 - g0).abs().max()) <= 1e-6, float((g1 - g0).abs().max())
     # and both right

@@ -1,5 +1,5 @@
-"""topkd's divergences against the public implementations they claim to match (SPEC section 1:
-JSD follows "TRL's and Liger's convention").
+"""topkd's divergences against the public implementations they claim to match (the JSD
+follows TRL's and Liger's convention).
 
 Peers, as installed (TRL 1.16.0, Liger-Kernel 0.8.5); what their source does, and therefore
 what each comparison converts:

@@ -647,7 +647,7 @@ def test_store_loss_equals_online_float32(tmp_path, normalize, reverse):
     assert float(mean) == float(total / mask.sum())
     assert torch.equal(grad_sum, grad)
     assert torch.all(grad_mean[~mask] == 0)
-    # the upstream 1/n enters the float32 row computations: SPEC's float32 gradient tolerance
+    # the upstream 1/n enters the float32 row computations: the float32 gradient tolerance
     assert helpers.grad_err(grad_mean, grad.double() / int(mask.sum())) <= helpers.GRAD_TOL_F32
 
     # an explicit mask on top of the padding mask drops its rows as well

@@ -28,7 +28,7 @@ import reference  # noqa: E402
 import topkd  # noqa: E402
 
 LOSS_RTOL = 1e-6
-REF_RTOL = 1e-5  # SPEC 4: loss vs float64, relative (to the batch's loss scale, per row)
+REF_RTOL = 1e-5  # loss vs float64, relative (to the batch's loss scale, per row)
 REF_GRAD_TOL = 1e-5  # gradient vs float64: max err / max |reference gradient|
 # The detached (kd, ce) parts of return_components. The loss itself is held to LOSS_RTOL; a
 # part alone can be a small divergence made of cancelling float32 terms: one process's fused
@@ -83,7 +83,7 @@ def _same_on_all_ranks(x: torch.Tensor, group) -> bool:
 
 
 def _compare(name, failures, loss_tp, loss_1, grad_tp, grad_1, same, rtol=LOSS_RTOL):
-    """SPEC 4: TP loss within 1e-6 relative of one process, gradients allclose.
+    """TP loss within 1e-6 relative of one process, gradients allclose.
 
     Per row, 1e-6 of a row's own loss is below float32 resolution when a row's KL is small
     (it is a sum of O(1) terms that cancel; the one-process loss itself is only within a few
@@ -91,7 +91,7 @@ def _compare(name, failures, loss_tp, loss_1, grad_tp, grad_1, same, rtol=LOSS_R
     (max(|row loss|, mean |row loss|)); scalar reductions are held to 1e-6 of themselves.
     Gradients: one-process and TP are each within ~2e-6 of max|g| of float64 for reverse KL
     (float32 rounding of log terms), and sum shards in another order, so "allclose" is
-    rtol 1e-5 with atol 1e-5 * max|g|, SPEC's float32 gradient tolerance; a real TP error
+    rtol 1e-5 with atol 1e-5 * max|g|, the float32 gradient tolerance; a real TP error
     (a missing or doubled all-reduce term) is O(max|g|).
     """
     try:
@@ -401,7 +401,7 @@ def run_communication(group, rank, failures):
             f4, b4, _ = stats[(fname, 4)]
             _, b64, e64 = stats[(fname, 64)]
             assert f4 + b4 > 0, "no collective seen: the counter does not see the library's calls"
-            # (SPEC 3 bounds the forward's communication volume, below, not its number of
+            # (the design bounds the forward's communication volume, below, not its number of
             # collectives: a per-chunk gather of top-K candidates is allowed.)
             assert b64 == b4, f"{fname}: backward collectives grow with rows/chunks: {b4} -> {b64}"
             assert b64 <= 1, f"{fname}: backward does {b64} collectives (expected at most one)"
