@@ -37,7 +37,10 @@ def compiler_missing(device_type: str) -> str | None:
     """Why ``torch.compile`` cannot build kernels for ``device_type`` here, or None."""
     if device_type == "cpu":
         try:
-            from torch._inductor.cpp_builder import get_cpp_compiler
+            try:
+                from torch._inductor.cpp_builder import get_cpp_compiler
+            except ImportError:  # torch < 2.5
+                from torch._inductor.codecache import cpp_compiler as get_cpp_compiler
 
             get_cpp_compiler()
         except Exception as e:  # noqa: BLE001 - any failure to find one means no compiler
@@ -69,7 +72,7 @@ def use_compile(impl: str, device: torch.device) -> bool:
         impl = os.environ[ENV]
         if impl not in IMPLS:
             raise ValueError(f"${ENV} must be one of {IMPLS}, got {impl!r}")
-    if impl == "eager" or torch.compiler.is_compiling() or _function_mode_active():
+    if impl == "eager" or _is_compiling() or _function_mode_active():
         return False
     missing = compiler_missing(device.type)
     if missing is None:
@@ -82,6 +85,11 @@ def use_compile(impl: str, device: torch.device) -> bool:
         warnings.warn(f"topkd: impl='auto' runs the eager kernels on {device.type}: {missing}",
                       RuntimeWarning, stacklevel=3)
     return False
+
+
+def _is_compiling() -> bool:
+    is_compiling = getattr(torch.compiler, "is_compiling", None)  # torch >= 2.3
+    return is_compiling() if is_compiling else torch._dynamo.is_compiling()
 
 
 def _function_mode_active() -> bool:
@@ -112,8 +120,7 @@ def _compiled(fn=None, *, rows: bool = True):
         single = rows and next(a for a in args if isinstance(a, torch.Tensor)).shape[0] == 1
         if single:
             args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT,
-                                        accumulated_recompile_limit=4 * _RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(_recompile_limits()):
             out = state["fn"](*args)
         if not single:
             return out
@@ -123,6 +130,14 @@ def _compiled(fn=None, *, rows: bool = True):
 
     call.eager = fn
     return call
+
+
+def _recompile_limits() -> dict:
+    """Dynamo's recompile limits for one kernel, under this torch's names for them (older
+    torch names them ``cache_size_limit``)."""
+    old = not hasattr(torch._dynamo.config, "recompile_limit")
+    name = "cache_size_limit" if old else "recompile_limit"
+    return {name: _RECOMPILE_LIMIT, f"accumulated_{name}": 4 * _RECOMPILE_LIMIT}
 
 
 _seen: set = set()
