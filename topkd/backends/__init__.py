@@ -48,7 +48,7 @@ def choose(impl: str, device: torch.device) -> Backend:
         impl = os.environ[ENV]
         if impl not in IMPLS:
             raise ValueError(f"${ENV} must be one of {IMPLS}, got {impl!r}")
-    if impl == "eager" or torch.compiler.is_compiling() or _function_mode_active():
+    if impl == "eager" or _is_compiling() or _function_mode_active():
         return EAGER
     missing = compiled.compiler_missing(device.type)
     if missing is None:
@@ -61,6 +61,13 @@ def choose(impl: str, device: torch.device) -> Backend:
         warnings.warn(f"topkd: impl='auto' runs the eager kernels on {device.type}: {missing}",
                       RuntimeWarning, stacklevel=3)
     return EAGER
+
+
+def _is_compiling() -> bool:
+    """Whether ``torch.compile`` is tracing this call (``torch.compiler.is_compiling`` from
+    torch 2.3; dynamo's own before)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return is_compiling() if is_compiling else torch._dynamo.is_compiling()
 
 
 def _function_mode_active() -> bool:
