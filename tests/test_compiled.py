@@ -27,15 +27,19 @@ Top-K path (``sparse_statistics`` / ``sparse_gradient``)
   - float16 ................................. ``topk-fp16``
 Full-vocabulary path (``dense_statistics`` / ``dense_terms`` / ``dense_gradient``), every
 divergence with its own ``terms``:
-  - KL: labels, T != 1, -inf ................ ``kl-labels_T2-neg_inf``
-  - reverse KL: labels at T = 1 ............. ``kl-reverse_kl-labels_T1*`` (bf16)
+  - KL ...................................... ``kl-labels_T2-neg_inf`` (labels, T != 1, -inf),
+    ``kl-bf16*``
+  - reverse KL .............................. ``kl-reverse_kl-labels_T1*`` (bf16, labels at
+    T = 1), ``kl-fp16-labels_T2`` (fp16, labels at T != 1)
   - JSD ..................................... ``kl-jsd-neg_inf*``,
-    ``fused_kl-pair-scale_softcap-jsd``
-  - skew KL / skew reverse KL ............... ``kl-skew_kl-labels_T2``, ``kl-skew_reverse_kl*``
-  - TVD: labels, T != 1, -inf ............... ``kl-tvd-labels_T2-neg_inf``
+    ``fused_kl-pair-scale_softcap-jsd`` (labels, T != 1)
+  - skew KL ................................. ``kl-skew_kl-labels_T2``, ``kl-skew_kl-bf16``
+  - skew reverse KL ......................... ``kl-skew_reverse_kl*`` (bf16),
+    ``kl-skew_reverse_kl-labels_T2``
+  - TVD ..................................... ``kl-tvd-labels_T2-neg_inf`` (labels, T != 1,
+    -inf), ``kl-tvd-bf16*``
   - student and teacher scale and softcap ... ``fused_kl-pair-scale_softcap-jsd``,
     ``fused_kl-softcap-reverse_kl*``
-  - float16 ................................. ``kl-fp16``
   - a divergence without ``terms`` runs the eager path (``SquaredHellinger``)
 Fused student head (the logits made per block, the gradients of hidden, weight and bias):
   every ``fused_*`` case; the weight's float32 accumulator (``accumulate_``: bf16 weight,
@@ -49,6 +53,12 @@ fp16 ties, a peaky teacher's exact ghost, -inf entries, vocabulary padding) agai
 the float64 reference
 One row per kernel call (run as two), chunks of every height: ``test_no_recompiles_*``,
 ``test_compiled_chunk_bytes_change_no_bit``
+
+Each kernel is compiled per configuration (its tensors' dtypes, which are None, the divergence,
+the flags): every kernel meets every input and gradient dtype and every option that changes
+its code, and every divergence meets each dtype and label setting. Their full cross product,
+which the float64 matrix compiled when it also ran compiled, is not built: compiling is most
+of what a compiled case costs.
 """
 
 from __future__ import annotations
@@ -175,11 +185,18 @@ CASES = {
     "kl-skew_kl-labels_T2": ("kl_loss", F32, "none",
                              _labels(0.5, divergence=topkd.SkewKL(0.2), temperature=2.0),
                              (4, 5), True),
+    "kl-skew_kl-bf16": ("kl_loss", BF16, "none", dict(divergence=topkd.SkewKL(0.6)), (4, 5),
+                        False),
     "kl-skew_reverse_kl": ("kl_loss", BF16, "mean", dict(divergence=topkd.SkewReverseKL(0.2)),
                            (4, 5), False),
+    "kl-skew_reverse_kl-labels_T2": ("kl_loss", F32, "none", _labels(
+        0.5, divergence=topkd.SkewReverseKL(0.7), temperature=2.0), (4, 5), False),
     "kl-tvd-labels_T2-neg_inf": ("kl_loss", F32, "none",
                                  _labels(1.0, divergence="tvd", temperature=2.0), (4, 5), True),
-    "kl-fp16": ("kl_loss", F16, "none", dict(reverse=True), (4, 5), False),
+    "kl-tvd-bf16": ("kl_loss", BF16, "sum", dict(divergence="tvd"), (4, 5), False),
+    "kl-bf16": ("kl_loss", BF16, "mean", {}, (4, 5), False),
+    "kl-fp16-labels_T2": ("kl_loss", F16, "none", _labels(0.5, reverse=True, temperature=2.0),
+                          (4, 5), False),
     "fused_kl-pair-scale_softcap-jsd": ("fused_kl_pair", F32, "none", _labels(
         0.5, logit_scale=0.6, softcap=4.0, teacher_logit_scale=1.5, teacher_softcap=6.0,
         temperature=1.3, divergence=topkd.JSD(0.3)), (4, 5), False),
