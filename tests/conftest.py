@@ -6,10 +6,13 @@ import tempfile
 # Inductor compiles in this process rather than in a pool of compile workers: on a 2-core
 # machine (and in every spawned rank) starting the pool costs more than it saves.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-# Under pytest-xdist each worker (and the ranks it spawns) keeps its compiled kernels in an
-# on-disk cache of its own, beside inductor's default one: two processes compiling the same
-# kernel into one cache directory race on its files. It persists, so a later run starts warm.
-if os.environ.get("PYTEST_XDIST_WORKER") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+# Compiled kernels persist in inductor's on-disk cache, so a later run (and every worker and
+# spawned rank) starts warm. pytest-xdist's workers may share it on POSIX: inductor writes each
+# entry to a file of its own process and renames it into place, and builds each kernel under
+# a file lock. On Windows a file another process holds open cannot be replaced, so there
+# each worker (and the ranks it spawns) gets a directory of its own.
+if (os.name == "nt" and os.environ.get("PYTEST_XDIST_WORKER")
+        and "TORCHINDUCTOR_CACHE_DIR" not in os.environ):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}",
         f"topkd-tests-{os.environ['PYTEST_XDIST_WORKER']}")

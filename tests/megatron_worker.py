@@ -403,7 +403,7 @@ def run_errors(tp, rank, check):
             check.true(name, words in str(e), f"message {e!s} lacks {words!r}")
 
 
-def worker(rank, world, port, store_path, result_dir):
+def worker(rank, world, store_path, result_dir):
     def body(group, failures):
         warnings.filterwarnings("ignore")
         from megatron.core import parallel_state
@@ -425,4 +425,4 @@ def worker(rank, world, port, store_path, result_dir):
             with open(os.path.join(result_dir, "metrics.json"), "w") as f:
                 json.dump(metrics, f, indent=1)
 
-    tp_worker.run_rank(rank, world, port, result_dir, body)
+    tp_worker.run_rank(rank, world, result_dir, body)

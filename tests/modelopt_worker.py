@@ -405,7 +405,7 @@ def run_group_size(tp, check):
         check.true("group size", "tensor-parallel group has" in str(e), str(e))
 
 
-def worker(rank, world, port, plan, result_dir):
+def worker(rank, world, plan, result_dir):
     """``plan``: ``[(tp, [(width, shard sizes, vocab_size, config fields), ...], extras)]``;
     ``extras`` names the runs beyond the layouts ("peers", "balancer", "bad_inputs",
     "group_size")."""
@@ -435,6 +435,6 @@ def worker(rank, world, port, plan, result_dir):
                 with open(os.path.join(result_dir, f"metrics_tp{tp}.json"), "w") as f:
                     json.dump(metrics, f, indent=1)
 
-    tp_worker.run_rank(rank, world, port, result_dir, body)
+    tp_worker.run_rank(rank, world, result_dir, body)
 
 

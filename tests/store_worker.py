@@ -48,7 +48,7 @@ def crash_writer(path: str, count: int, shard_bytes: int) -> None:
             time.sleep(0.02)
 
 
-def gloo_writer(rank, world, port, count, store_dir, result_dir):
+def gloo_writer(rank, world, count, store_dir, result_dir):
     import torch.distributed as dist
     from tp_worker import run_rank
 
@@ -62,7 +62,7 @@ def gloo_writer(rank, world, port, count, store_dir, result_dir):
                 writer.add(number, tokens, teacher)
         dist.barrier(group)
 
-    run_rank(rank, world, port, result_dir, body)
+    run_rank(rank, world, result_dir, body)
 
 
 if __name__ == "__main__":

@@ -626,9 +626,10 @@ def peak_ratio(case: str, impl: str = "eager") -> float:
 
 
 # The compiled paths' chunks differ from the eager ones' (one float32 buffer counted per
-# chunk): one case per path (Top-K with the teacher's selection; the full vocabulary with
-# the CE term's own normalizer and a softcap) runs compiled too. The products, and so the
-# oneDNN workspace, are the same for either kernel implementation.
+# chunk): one case per path runs compiled too, the one with that path's highest compiled
+# peak when every case ran compiled (Top-K with the teacher's selection; the full vocabulary
+# with the CE term's own normalizer and a softcap). The products, and so the oneDNN
+# workspace, are the same for either kernel implementation.
 MEMORY_COMPILED = ("topk-logits", "jsd-ce-softcap-pair")
 
 

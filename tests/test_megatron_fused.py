@@ -40,8 +40,7 @@ DEADLINE_S = 240  # a hang in a collective fails the test instead of hanging the
 def test_fused_criterion_store_and_gpt_distillation_at_tp2(tmp_path):
     store = tmp_path / "store"
     megatron_worker.build_store(str(store))
-    helpers.spawn_ranks(megatron_worker.worker, 2,
-                        (2, helpers.free_port(), str(store), str(tmp_path)), tmp_path,
+    helpers.spawn_ranks(megatron_worker.worker, 2, (2, str(store), str(tmp_path)), tmp_path,
                         DEADLINE_S)
     for case, values in json.loads((tmp_path / "metrics.json").read_text()).items():
         shown = ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else

@@ -1,6 +1,6 @@
 """topkd.integrations.modelopt and .megatron with the real libraries (Model-Optimizer 0.47,
 megatron-core): the Megatron-plugin criteria in parallel_state groups of TP = 1, 2 and 3 (gloo
-ranks on 127.0.0.1, see modelopt_worker.py), against one process, the float64 reference and
+ranks, see modelopt_worker.py), against one process, the float64 reference and
 Model-Optimizer's own losses; its loss balancer; the generic DistillationModel criteria; and the
 errors for bad options and inputs.
 """
@@ -37,8 +37,8 @@ def _bridge(vocab, divisible_by):
 
 
 def _spawn(world, plan, tmp_path):
-    helpers.spawn_ranks(modelopt_worker.worker, world,
-                        (world, helpers.free_port(), plan, str(tmp_path)), tmp_path, DEADLINE_S)
+    helpers.spawn_ranks(modelopt_worker.worker, world, (world, plan, str(tmp_path)), tmp_path,
+                        DEADLINE_S)
     for path in sorted(tmp_path.glob("metrics_tp*.json")):
         print(f"\n{path.stem}:")
         for case, values in json.loads(path.read_text()).items():

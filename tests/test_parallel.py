@@ -18,8 +18,8 @@ DEADLINE_S = 600  # every check of the group, the compiled kernels' first build 
 
 
 def _spawn(world, plan, tmp_path):
-    helpers.spawn_ranks(tp_worker.worker, world, (world, helpers.free_port(), plan,
-                                                  str(tmp_path)), tmp_path, DEADLINE_S)
+    helpers.spawn_ranks(tp_worker.worker, world, (world, plan, str(tmp_path)), tmp_path,
+                        DEADLINE_S)
 
 
 def test_two_ranks(tmp_path):

@@ -575,7 +575,7 @@ def test_two_gloo_ranks_write_one_store(tmp_path):
     result_dir.mkdir()
     world, count, deadline_s = 2, 12, 120
     helpers.spawn_ranks(store_worker.gloo_writer, world,
-                        (world, helpers.free_port(), count, str(store_dir), str(result_dir)),
+                        (world, count, str(store_dir), str(result_dir)),
                         result_dir, deadline_s)
 
     assert verify_store(store_dir) == []

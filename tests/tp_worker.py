@@ -460,13 +460,16 @@ def run_edge_cases(group, rank, failures):
     del start, stop
 
 
-def run_rank(rank, world, port, result_dir, body):
-    """One spawned rank: a gloo group on 127.0.0.1 (every wait with a timeout), then
-    ``body(group, failures)``; failures, or "OK", go to ``result_dir/rank{rank}.txt``."""
+def run_rank(rank, world, result_dir, body):
+    """One spawned rank: a gloo group (every wait with a timeout) that meets through a file
+    in ``result_dir``, the test's own directory (no port, so tests run side by side cannot
+    collide), then ``body(group, failures)``; failures, or "OK", go to
+    ``result_dir/rank{rank}.txt``."""
     failures: list[str] = []
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        rendezvous = os.path.join(os.path.abspath(result_dir), "rendezvous")
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
         body(dist.group.WORLD, failures)
         dist.barrier()
@@ -484,7 +487,7 @@ def run_rank(rank, world, port, result_dir, body):
 COMPILED_CASES = ("topk mask mean chunk_bytes=1", "kl JSD(0.1) ce T=2 mask mean chunk_bytes=1")
 
 
-def worker(rank, world, port, plan, result_dir):
+def worker(rank, world, plan, result_dir):
     """Every tensor-parallel check of one spawned group (starting the ranks is the slow part),
     in order: ``plan["layouts"]``, the logits losses for each ``(width, shard sizes,
     vocab_size)``; the communication volume if ``plan["communication"]``; the edge cases;
@@ -518,4 +521,4 @@ def worker(rank, world, port, plan, result_dir):
                 else:
                     os.environ["TOPKD_IMPL"] = impl
 
-    run_rank(rank, world, port, result_dir, body)
+    run_rank(rank, world, result_dir, body)
