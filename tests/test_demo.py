@@ -172,10 +172,11 @@ def _demo_subprocess(tmp_path, *args, pythonpath=()):
                           text=True, env=env, cwd=tmp_path, timeout=300)
 
 
-def test_what_the_demo_needs_is_checked_before_any_work(tmp_path):
-    """Without accelerate (hidden the way a missing package is: transformers' Trainer imports,
-    its TrainingArguments refuse), the demo stops at once, saying what to install, with nothing
-    trained or saved; an --out that is a file is refused as cleanly."""
+def test_what_the_demo_needs_is_checked_before_any_work(tmp_path, capsys):
+    """Without accelerate (hidden the way a missing package is, in a process of its own:
+    transformers' Trainer imports, its TrainingArguments refuse), the demo stops at once,
+    saying what to install, with nothing trained or saved; an --out that is a file is refused
+    as cleanly."""
     block = tmp_path / "no-accelerate"
     block.mkdir()
     (block / "sitecustomize.py").write_text("import sys\nsys.modules['accelerate'] = None\n")
@@ -189,10 +190,11 @@ def test_what_the_demo_needs_is_checked_before_any_work(tmp_path):
 
     afile = tmp_path / "afile"
     afile.write_text("")
-    result = _demo_subprocess(tmp_path, "--out", str(afile))
-    assert result.returncode == 1
-    assert f"--out {str(afile)!r} exists and is not a directory" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert main(["demo", "--steps", "1", "--teacher-steps", "1", "--quiet",
+                 "--out", str(afile)]) == 1
+    err = capsys.readouterr().err
+    assert f"--out {str(afile)!r} exists and is not a directory" in err
+    assert "Traceback" not in err
 
 
 def _training_flags(words: list[str]) -> dict:
