@@ -300,17 +300,18 @@ class ProductDtypes(torch.overrides.TorchFunctionMode):
 
 def test_fused_bf16_autocast_runs_products_in_bf16(tmp_path, monkeypatch):
     calls = []
-    real = trainer_module.fused_kl_loss
+    real = trainer_module.distill_loss
 
-    def spy(**kwargs):
+    def spy(student, teacher, options, **kwargs):
+        if not isinstance(student, tuple):  # the unfused trainer's logits
+            return real(student, teacher, options, **kwargs)
         recorder = ProductDtypes()
         with recorder:
-            out = real(**kwargs)
-        calls.append((kwargs["hidden"].dtype, kwargs["weight"].dtype,
-                       kwargs["teacher"][0].dtype, recorder.seen))
+            out = real(student, teacher, options, **kwargs)
+        calls.append((student[0].dtype, student[1].dtype, teacher[0].dtype, recorder.seen))
         return out
 
-    monkeypatch.setattr(trainer_module, "fused_kl_loss", spy)
+    monkeypatch.setattr(trainer_module, "distill_loss", spy)
     data = hf_worker.items()
     (fl, fg), (ul, ug) = fused_and_unfused(tmp_path, hf_worker.student, hf_worker.teacher,
                                            data, bf16=True)

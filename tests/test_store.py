@@ -732,7 +732,7 @@ def test_store_loss_against_float64_reference(tmp_path):
     assert reference.top_p_margin(ref_teacher, top_p) > 1e-5
     for reduction in ("none", "mean"):
         options = dict(temperature=temperature, mask=batch.mask, reduction=reduction)
-        ref_loss, ref_grad = reference.loss_and_grad(reference.sparse_kl, student, ref_teacher,
+        ref_loss, ref_grad = reference.loss_and_grad(reference.sparse_loss, student, ref_teacher,
                                                      **options)
         loss, grad = helpers.run(topkd.sparse_kl_loss, student, batch, reduction=reduction)
         helpers.assert_loss_close(loss, ref_loss)
