@@ -266,3 +266,30 @@ class WorkRecorder(torch.overrides.TorchFunctionMode):
         if name in HEAVY_OPS or name.strip("_") in HEAVY_OPS:
             self.calls.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def half_tvd_class(name: str):
+    """A user's divergence, ``pointwise`` only: half the total variation (so its loss is half of
+    ``divergence="tvd"``'s). A class per ``name``, for a registry name of each test's own."""
+    import topkd
+
+    class HalfTVD(topkd.Divergence):
+        def pointwise(self, logp, logq):
+            return 0.25 * (logq.exp() - logp.exp()).abs()
+
+    HalfTVD.name = name
+    return HalfTVD
+
+
+def record_options(monkeypatch, module) -> list:
+    """Replace ``module.distill_loss`` with one that records each call's options and computes
+    the loss unchanged; the list of recorded options."""
+    seen = []
+    real = module.distill_loss
+
+    def spy(student, teacher, options, **kwargs):
+        seen.append(options)
+        return real(student, teacher, options, **kwargs)
+
+    monkeypatch.setattr(module, "distill_loss", spy)
+    return seen

@@ -17,6 +17,7 @@ pytest.importorskip("safetensors")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+import helpers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import topkd  # noqa: E402
@@ -416,13 +417,7 @@ def test_a_near_miss_flag_names_the_right_one(setup, tmp_path):
     assert "usage: topkd distill" in result.stderr  # the command's own usage
 
 
-class _HalfTVD(topkd.Divergence):
-    """A user's divergence (pointwise only), registered by name for the CLI."""
-
-    name = "half_tvd_cli"
-
-    def pointwise(self, logp, logq):
-        return 0.25 * (logq.exp() - logp.exp()).abs()
+_HalfTVD = helpers.half_tvd_class("half_tvd_cli")
 
 
 def test_impl_and_a_registered_divergence_reach_the_loss(setup, tmp_path, capsys, monkeypatch,
@@ -430,14 +425,7 @@ def test_impl_and_a_registered_divergence_reach_the_loss(setup, tmp_path, capsys
     import topkd.hf.trainer as trainer_module
 
     topkd.divergences.register(_HalfTVD.name, _HalfTVD)
-    seen = []
-    real = trainer_module.distill_loss
-
-    def spy(student, teacher, options, **kwargs):
-        seen.append(options)
-        return real(student, teacher, options, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "distill_loss", spy)
+    seen = helpers.record_options(monkeypatch, trainer_module)
     out = tmp_path / "out"
     code, _, err = _run(_args(setup, out, "--max-steps", "1", "--k", "8", "--impl", "eager",
                               "--divergence", _HalfTVD.name), capsys)

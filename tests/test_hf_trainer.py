@@ -729,26 +729,13 @@ def test_k_larger_than_the_vocabulary_is_refused_at_construction(tmp_path):
         trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(), k=V + 1)
 
 
-class _HalfTVD(topkd.Divergence):
-    """A user's divergence object (pointwise only): half the total variation."""
-
-    name = "half_tvd_trainer"
-
-    def pointwise(self, logp, logq):
-        return 0.25 * (logq.exp() - logp.exp()).abs()
+_HalfTVD = helpers.half_tvd_class("half_tvd_trainer")
 
 
 def test_kdconfig_takes_a_divergence_object_and_impl(tmp_path, monkeypatch):
     """``KDConfig(divergence=<object>, impl=...)`` reach the loss: half of the TVD loss and
     gradients, the eager kernels; the config still writes itself as JSON."""
-    seen = []
-    real = trainer_module.distill_loss
-
-    def spy(student, teacher, options, **kwargs):
-        seen.append(options)
-        return real(student, teacher, options, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "distill_loss", spy)
+    seen = helpers.record_options(monkeypatch, trainer_module)
     data = hf_worker.items()
     half = trainer_for(tmp_path / "half", hf_worker.student(), hf_worker.teacher(), k=K,
                        divergence=_HalfTVD(), impl="eager")
@@ -761,6 +748,6 @@ def test_kdconfig_takes_a_divergence_object_and_impl(tmp_path, monkeypatch):
                              "half TVD") < F32_GRAD_TOL
     assert [(o.impl, type(o.divergence)) for o in seen] == [("eager", _HalfTVD),
                                                             ("eager", topkd.TVD)]
-    assert '"divergence": "_HalfTVD()"' in half.args.to_json_string()
+    assert f'"divergence": "{_HalfTVD()!r}"' in half.args.to_json_string()
     with pytest.raises(ValueError, match="impl"):
         trainer_for(tmp_path / "bad", hf_worker.student(), hf_worker.teacher(), impl="triton")
