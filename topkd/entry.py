@@ -66,13 +66,14 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
         student_tensors, x = {"logits": student}, student
         names = {"student": "student_logits", "width": "student_logits",
                  "teacher": "teacher_logits", "teacher_width": "teacher_logits"}
-        for name in ("reduce_hidden_grad",):
-            if getattr(options, name):
-                raise ValueError(f"{name}=True applies to a fused LM head, not to logits")
+        if options.reduce_hidden_grad:
+            raise ValueError("reduce_hidden_grad=True applies to a fused LM head, not to logits")
     lead = x.shape[:-1]
+    # a fused loss being trained to a scalar writes its gradients in forward
+    one_pass = fused and _one_pass(student_tensors.values(), options.reduction)
     if isinstance(teacher, SparseTeacher):
         return _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels,
-                               shards)
+                               shards, one_pass)
     if options.k is None:
         if options.top_p is not None:
             raise ValueError(f"top_p={options.top_p} needs k (the full-vocabulary loss keeps "
@@ -98,8 +99,7 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
         call = Call(cfg, sparse=False, student=tuple(student_tensors),
                     teacher=tuple(teacher_tensors), count=n)
         return _run(call, {**student_tensors, **teacher_tensors}, options, mask=mask,
-                    lead_shape=lead, labels=labels,
-                    one_pass=fused and _one_pass(student_tensors.values(), options.reduction))
+                    lead_shape=lead, labels=labels, one_pass=one_pass)
     k = _checks.integer("k", options.k, 1, vocab)
     _checks.label_range(labels, fields["ignore_index"], vocab)
     cfg = _config(fields, options, shards["student"], vocab, n, student_tensors, labels,
@@ -123,7 +123,6 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
                            fused=True, logit_scale=cfg.teacher_logit_scale,
                            softcap=cfg.teacher_softcap, backend=cfg.backend)
 
-    one_pass = _one_pass(student_tensors.values(), options.reduction)
     teacher_rows = None
     if one_pass:  # the [rows, K] targets exist one chunk at a time
         teacher_tensors = dict.fromkeys(_SPARSE_NAMES)
@@ -139,7 +138,8 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
                 one_pass=one_pass)
 
 
-def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels, shards):
+def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels, shards,
+                    one_pass):
     """The loss against a :class:`SparseTeacher` (its K, top-p and temperature are its own)."""
     if options.k is not None and options.k != teacher.k:
         raise ValueError(f"k={options.k} differs from the SparseTeacher's K={teacher.k}")
@@ -163,9 +163,7 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
                   teacher_blocks=False)
     return _run(_sparse_call(cfg, student_tensors, n),
                 {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
-                lead_shape=lead, labels=labels,
-                one_pass=("hidden" in student_tensors
-                          and _one_pass(student_tensors.values(), options.reduction)))
+                lead_shape=lead, labels=labels, one_pass=one_pass)
 
 
 # ---- inputs -------------------------------------------------------------------------------
