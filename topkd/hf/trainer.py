@@ -145,6 +145,9 @@ class KDTrainer(Trainer):
         self.vocab_size = check_setup(k=args.k, top_p=args.top_p, temperature=args.temperature,
                                       widths=widths, tokenizer=processing_class, store=store,
                                       teacher_tokenizer=teacher_tokenizer)
+        self.options = self.options.replace(vocab_size=self.vocab_size)
+        if store is not None:  # a store's rows: their K, top-p and temperature are their own
+            self.options = self.options.replace(k=None, top_p=None, temperature=None)
         if data_collator is None:
             pad = getattr(processing_class, "pad_token_id", None)
             data_collator = KDCollator(0 if pad is None else pad, store=store,
@@ -220,7 +223,7 @@ class KDTrainer(Trainer):
         input_ids, attention = inputs["input_ids"], inputs.get("attention_mask")
         keep = inputs["labels"][:, 1:] != -100
         self._check_ids(input_ids, inputs)
-        options = self.options.replace(vocab_size=self.vocab_size, ce_weight=ce_weight)
+        changes = {"ce_weight": ce_weight}
         labels = inputs["labels"][:, 1:][keep] if ce_weight else None
         if self.store is not None:
             teacher = self._stored(inputs, keep)
@@ -239,11 +242,11 @@ class KDTrainer(Trainer):
             self._student_hidden.check(model, hidden, probe)
             weight, bias = head(model)
             student = (hidden[:, :-1][keep], weight, bias)
-            options = options.replace(logit_scale=self._student_hidden.scale,
-                                      softcap=self._student_hidden.softcap)
+            changes.update(logit_scale=self._student_hidden.scale,
+                           softcap=self._student_hidden.softcap)
             if self.store is None:
-                options = options.replace(teacher_logit_scale=self._teacher_hidden.scale,
-                                          teacher_softcap=self._teacher_hidden.softcap)
+                changes.update(teacher_logit_scale=self._teacher_hidden.scale,
+                               teacher_softcap=self._teacher_hidden.softcap)
         else:
             if self.store is None:
                 with torch.no_grad(), self.accelerator.autocast():
@@ -255,8 +258,7 @@ class KDTrainer(Trainer):
             with self.accelerator.autocast():
                 student = model(input_ids=input_ids, attention_mask=attention,
                                 use_cache=False).logits[:, :-1][keep]
-        if isinstance(teacher, SparseTeacher):  # its K, top-p and temperature are its own
-            options = options.replace(k=None, top_p=None, temperature=None)
+        options = self.options.replace(**changes)  # checked once per batch
         result = distill_loss(student, teacher, options, labels=labels)
         kl = None
         if eval_kl:
