@@ -141,7 +141,6 @@ _TOPK = frozenset({"top_p", "top_p_min_k", "normalize"})
 _FUSED = frozenset({"reduce_hidden_grad", "logit_scale", "softcap", "teacher_logit_scale",
                     "teacher_softcap"})
 KL_OPTIONS = _COMMON
-SPARSE_OPTIONS = _COMMON | {"normalize"}
 TOPK_OPTIONS = _COMMON | _TOPK
 FUSED_KL_OPTIONS = _COMMON | _FUSED
 FUSED_TOPK_OPTIONS = _COMMON | _TOPK | _FUSED
