@@ -8,6 +8,9 @@ import time
 
 import torch
 
+TESTS = os.path.dirname(os.path.abspath(__file__))  # this folder: the helpers and workers
+ROOT = os.path.dirname(TESTS)  # the repository root
+
 # accuracy against the float64 reference
 LOSS_RTOL = 1e-5  # loss vs float64, relative
 GRAD_TOL_F32 = 1e-5  # gradient max-abs error / max |reference gradient|, float32 inputs

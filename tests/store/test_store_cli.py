@@ -27,7 +27,7 @@ from topkd.store import (  # noqa: E402
 )
 from topkd.store.reader import read_shard_ids  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = helpers.ROOT
 VOCAB = 300  # the model's vocabulary; the tokenizer has fewer tokens (as Qwen's, padded)
 WORDS = [f"w{i}" for i in range(200)]
 K = 16

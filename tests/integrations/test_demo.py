@@ -16,10 +16,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from helpers import ROOT  # noqa: E402
+
 from topkd.cli import main  # noqa: E402
 from topkd.hf import demo  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 100  # per student (the default demo: 400)
 TEACHER_STEPS = 150  # (the default demo: 240; 60 at 100 student steps is too few to teach)
 

@@ -25,8 +25,8 @@ from topkd.cli import main  # noqa: E402
 from topkd.hf.distill import SETTINGS_FILE, last_checkpoint  # noqa: E402
 from topkd.store import build_store  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = [f"w{i}" for i in range(60)]
+ROOT = helpers.ROOT
 VOCAB = 64  # the models' rows; the tokenizer has 62 tokens
 
 
