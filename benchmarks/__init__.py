@@ -9,7 +9,8 @@ section has its own ``--help``). From another directory, put the repository root
 harness (:mod:`~benchmarks.harness`: every case in its own fresh, memory-capped process,
 profiler peak memory, timing, saved results), and their float64 reference is the test
 suite's, ``tests/reference.py`` (one reference in the repository), imported as
-``reference`` once this package has put ``tests/`` on ``sys.path``.
+``reference`` once this package has put ``tests/`` on ``sys.path``. ``benchmarks/gpu.sh``
+runs the core, fused and Megatron sections and the CUDA tests on one GPU (``--device cuda``).
 """
 
 import os

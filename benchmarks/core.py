@@ -252,6 +252,8 @@ def run_case(args, impl, loss_kind, divergence, rows, kernels="-") -> dict:
         # not on CUDA, whose driver reserves a large address space
         if args.device == "cpu":
             harness.cap_address_space(args.mem_limit_gib)
+        else:
+            result["device_name"] = torch.cuda.get_device_name(args.device)
         dtype = getattr(torch, args.dtype)
         stage(harness.IMPORT_STAGE)
         fn = loss_function(impl, loss_kind, divergence, args.k, args.temperature,
@@ -390,9 +392,12 @@ def format_table(results, meta) -> str:
     lines = []
     lines.append(
         f"V = {meta['vocab']:,}, K = {meta['k']:,}, {meta['dtype']}, T = {meta['temperature']:g}, "
-        f"device {meta['device']}, torch {meta['torch']}, {meta['threads']} threads, "
-        f"chunk_bytes = {meta['chunk_bytes']}, repeats = {meta['repeats']}, "
-        f"memory cap {meta['mem_limit_gib']:g} GiB per case"
+        f"device {meta['device']}"
+        + (f" ({meta['device_name']})" if meta.get("device_name") else "")
+        + f", torch {meta['torch']}, {meta['threads']} threads, "
+        f"chunk_bytes = {meta['chunk_bytes']}, repeats = {meta['repeats']}"
+        + (f", memory cap {meta['mem_limit_gib']:g} GiB per case" if meta["device"] == "cpu"
+           else "")
     )
     load = harness.load_line(meta)
     if load:
@@ -582,6 +587,7 @@ def main(argv) -> int:
     meta = {
         "vocab": args.vocab, "k": args.k, "dtype": args.dtype, "temperature": args.temperature,
         "device": args.device, "torch": torch.__version__,
+        "device_name": next((r["device_name"] for r in results if r.get("device_name")), None),
         "threads": harness.threads_of(results, args.threads),
         "chunk_bytes": args.chunk_bytes if args.chunk_bytes is not None else "default",
         "repeats": args.repeats, "mem_limit_gib": args.mem_limit_gib,

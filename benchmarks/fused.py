@@ -60,6 +60,15 @@ Per case:
 A small agreement check (``--no-verify`` skips it) runs the three ``kl`` implementations on a
 small problem in float32 and bf16 and prints their relative differences, Liger's ``beta=1``
 against topkd's ``reverse=True``, and the ``jsd`` implementations against each other.
+
+``--device cuda``: the inputs are made on the GPU (the same values as on the CPU: drawn there,
+then moved), every timed call is between two ``torch.cuda.synchronize()``, and the raw peak
+is ``torch.cuda.max_memory_allocated`` above the allocation before the step
+(:func:`benchmarks.harness.profile_peak`); the peak excluding the gradients comes from the
+same step's profiler allocations, those of the CUDA allocator alone, and the address-space cap
+is not applied (the CUDA driver reserves address space of its own). The float64 reference runs
+on the CPU (the sampled rows' logits and their gradient move there and back). TRL's kernels
+are its Triton ones there, Liger's its chunks under ``torch.compile`` as on the CPU.
 """
 
 from __future__ import annotations
@@ -270,14 +279,18 @@ def accuracy(impl, loss_kind, args, inputs, full_chunks):
             t_low = F.linear(th, tw).double()
             t_exact = th.double() @ tw.double().T
     res = {"sample_rows": sample, "loss_sample": got}
-    l64, dz64 = _reference(loss_kind, z_low, t_low, args)
+    # the float64 reference runs on the CPU (no-ops there); the chain rule on the device
+    device = weight.device
+    l64, dz64 = _reference(loss_kind, z_low.cpu(), t_low.cpu(), args)
+    dz64 = dz64.to(device)
     res["loss_f64"] = l64.item()
     res["loss_rel_err"] = harness.rel_err(got, l64.item())
     with torch.no_grad():
         for name, g, g64 in (("hidden", gh, dz64 @ w64), ("weight", gw, dz64.T @ h64)):
             res[f"grad_{name}_err"], res[f"grad_{name}_floor"] = harness.grad_err(g, g64, dtype)
             del g64
-    l64e, dz64e = _reference(loss_kind, z_exact, t_exact, args)
+    l64e, dz64e = _reference(loss_kind, z_exact.cpu(), t_exact.cpu(), args)
+    dz64e = dz64e.to(device)
     res["loss_f64_exact"] = l64e.item()
     res["loss_rel_err_exact"] = harness.rel_err(got, l64e.item())
     with torch.no_grad():
@@ -309,20 +322,25 @@ def run_case(args, impl, loss_kind, kernels="-") -> dict:
     result = {"impl": impl, "loss": loss_kind, "kernels": kernels, "status": "error",
               "mem_limit_gib": args.mem_limit_gib}
     args.case_kernels = kernels
+    on_cuda = args.device.startswith("cuda")
     with harness.stages(result) as stage:
         stage("import torch")
-        harness.child_torch(args, result)
+        torch = harness.child_torch(args, result)
+        if on_cuda:
+            result["device_name"] = torch.cuda.get_device_name(args.device)
         stage(harness.IMPORT_STAGE)
         if impl in ("liger", "trl"):
             key, value = _version(impl)
             result[key] = value
         fn = loss_function(impl, loss_kind, args)
-        harness.cap_address_space(args.mem_limit_gib)  # after the imports (triton's, dynamo's)
+        if not on_cuda:  # after the imports (triton's, dynamo's); not on CUDA (its driver's)
+            harness.cap_address_space(args.mem_limit_gib)
         stage("make inputs")
-        inputs = make_inputs(args, loss_kind)
+        inputs = make_inputs(args, loss_kind, args.device)
         hidden, weight = inputs["hidden"], inputs["weight"]
         logits_bytes = args.tokens * args.vocab * weight.element_size()
         result["logits_bytes"] = logits_bytes
+        sync = torch.cuda.synchronize if on_cuda else None
         last = {}
 
         def step():
@@ -332,15 +350,28 @@ def run_case(args, impl, loss_kind, kernels="-") -> dict:
             last["loss"] = float(out.detach().double().sum() if out.dim() else out.item())
 
         stage("forward + backward (first call)")
-        result["first_call_s"] = harness.first_call(step)
+        result["first_call_s"] = harness.first_call(step, sync)
         hidden.grad = weight.grad = None
 
         stage("forward + backward (memory run)")
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        allocs = harness.allocations(prof)
+        if on_cuda:
+            # the raw peak from the CUDA allocator; the exclusions from the same step's
+            # profiler allocations on the device
+            held = {}
+
+            def profiled():
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+                    step()
+                held["prof"] = p
+
+            cuda_raw = harness.profile_peak(profiled, args.device)[0]
+            prof = held.pop("prof")
+        else:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                step()
+        allocs = harness.allocations(prof, "cuda" if on_cuda else None)
         grad_ptrs = {name: t.grad.untyped_storage().data_ptr()
                      for name, t in (("hidden", hidden), ("weight", weight))
                      if t.grad is not None}
@@ -350,16 +381,23 @@ def run_case(args, impl, loss_kind, kernels="-") -> dict:
         if (impl == "fused" and weight.element_size() < 4) or impl == "trl":
             acc = weight.numel() * 4
         peak, raw, excluded, notes = harness.peak_excluding(allocs, grad_ptrs, acc)
+        if on_cuda:
+            result["profiler_raw_peak_bytes"] = raw
+            if not allocs:
+                peak = cuda_raw
+                notes.append("the profiler recorded no CUDA allocation: the peak is the raw one")
+            raw = cuda_raw
+        else:
+            result["kineto_raw_peak_bytes"] = harness.kineto_peak(prof)[0]
         result.update(peak_bytes=peak, raw_peak_bytes=raw, excluded_bytes=excluded,
                       excluded=notes, x_logits=peak / logits_bytes,
-                      kineto_raw_peak_bytes=harness.kineto_peak(prof)[0],
                       grad_bytes=sum(t.grad.numel() * t.grad.element_size()
                                      for t in (hidden, weight) if t.grad is not None))
         del prof, allocs
         hidden.grad = weight.grad = None
 
         stage("forward + backward (timing)")
-        result["times_s"] = harness.timed(step, args.repeats)
+        result["times_s"] = harness.timed(step, args.repeats, sync)
         result["median_s"] = statistics.median(result["times_s"])
         result["loss_value"] = last["loss"]
         hidden.grad = weight.grad = None
@@ -392,7 +430,7 @@ def _agreement(res, f64):
 
 def run_verify(args) -> dict:
     """The three kl implementations (and Liger beta=1 vs topkd reverse), and the jsd ones, on a
-    small problem in float32 and bf16, at T = 1 and 2."""
+    small problem in float32 and bf16, at T = 1 and 2, on ``--device`` (drawn on the CPU)."""
     out = {"shape": "N=64, H=128, H_t=96, V=1000, Liger chunk_size=16 (4 chunks)",
            "status": "error"}
     try:
@@ -403,13 +441,15 @@ def run_verify(args) -> dict:
         out["liger_version"] = version("liger-kernel")
         g = torch.Generator().manual_seed(1)
         n, h, ht, v = 64, 128, 96, 1000
+        device = getattr(args, "device", "cpu")
         for dt in ("float32", "bfloat16"):
             dtype = getattr(torch, dt)
             problem = _Problem(
-                torch.randn(n, h, generator=g).to(dtype).requires_grad_(True),
-                (torch.randn(v, h, generator=g) * 2 / h ** 0.5).to(dtype).requires_grad_(True),
-                torch.randn(n, ht, generator=g).to(dtype),
-                (torch.randn(v, ht, generator=g) * 2 / ht ** 0.5).to(dtype),
+                torch.randn(n, h, generator=g).to(device, dtype).requires_grad_(True),
+                (torch.randn(v, h, generator=g) * 2 / h ** 0.5).to(device, dtype)
+                .requires_grad_(True),
+                torch.randn(n, ht, generator=g).to(device, dtype),
+                (torch.randn(v, ht, generator=g) * 2 / ht ** 0.5).to(device, dtype),
                 args.liger_compiled)
             for temperature in (1.0, 2.0):
                 out[f"{dt} T={temperature:g}"] = problem.kl(temperature)
@@ -455,14 +495,14 @@ class _Problem:
         m = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta,
                                     temperature=temperature, compiled=self.liger_compiled,
                                     chunk_size=16)
-        labels = torch.zeros(self.h.shape[0], dtype=torch.long)
+        labels = torch.zeros(self.h.shape[0], dtype=torch.long, device=self.h.device)
         return self._run(lambda: m(self.h, self.w, self.th, self.tw, labels))
 
     def _f64(self, temperature, divergence="kl", reverse=False):
         import torch
 
         with torch.no_grad():
-            z, t = self._logits()
+            z, t = (x.cpu() for x in self._logits())  # the reference runs on the CPU
             return reference.full_loss(z, t, temperature=temperature, reverse=reverse,
                                        divergence=harness.reference_divergence(divergence),
                                        reduction="mean").item()
@@ -497,7 +537,7 @@ class _Problem:
             except ImportError:  # TRL is optional
                 _chunked_divergence_loss = None
             if _chunked_divergence_loss is not None:
-                mask = torch.ones(1, self.h.shape[0], dtype=torch.long)
+                mask = torch.ones(1, self.h.shape[0], dtype=torch.long, device=self.h.device)
                 res["TRL"] = self._run(lambda: _chunked_divergence_loss(
                     self.h[None], self.th[None], self.w, self.tw, mask, BETA,
                     temperature=temperature)[0])
@@ -512,7 +552,8 @@ class _Problem:
 
 
 def _run_case(args, impl, loss, kernels) -> dict:
-    limit = harness.memory_limit(args.mem_limit_gib)
+    limit = harness.memory_limit(args.mem_limit_gib) if args.device == "cpu" else \
+        args.mem_limit_gib
     result = {"impl": impl, "loss": loss, "kernels": kernels, "mem_limit_gib": limit}
     result.update(harness.run_child("benchmarks.fused:run_case",
                                     {**vars(args), "mem_limit_gib": limit}, impl, loss,
@@ -545,6 +586,11 @@ def _label(r) -> str:
     return IMPL_LABELS[r["impl"]] + ("" if kernels == "-" else f" ({kernels})")
 
 
+def _device_text(meta) -> str:
+    device = meta.get("device", "cpu")  # results saved before --device were on the CPU
+    return f"{device} ({meta['device_name']})" if meta.get("device_name") else device
+
+
 def format_table(results, meta) -> str:
     f = harness.fmt_err
     has_trl = any(r["impl"] == "trl" for r in results)
@@ -552,9 +598,11 @@ def format_table(results, meta) -> str:
         f"Fused LM head: N = {meta['tokens']:,} tokens, H = {meta['hidden']:,}, "
         f"V = {meta['vocab']:,}, H_t = {meta['teacher_hidden']:,}, K = {meta['k']:,}, "
         f"{meta['dtype']} hidden and weight, T = {meta['temperature']:g}, "
-        f"reduction = {meta['reduction']!r}, device cpu, torch {meta['torch']}, "
-        f"{meta['threads']} threads, chunk_bytes = {meta['chunk_bytes']}, "
-        f"repeats = {meta['repeats']}, memory cap {meta['mem_limit_gib']:g} GiB per case"
+        f"reduction = {meta['reduction']!r}, device {_device_text(meta)}, "
+        f"torch {meta['torch']}, {meta['threads']} threads, chunk_bytes = {meta['chunk_bytes']}, "
+        f"repeats = {meta['repeats']}"
+        + (f", memory cap {meta['mem_limit_gib']:g} GiB per case"
+           if meta.get("device", "cpu") == "cpu" else "")
         + (f", Liger-Kernel {meta['liger_version']} (chunk_size {meta['liger_chunk_size']}, "
            f"compiled={meta['liger_compiled']})" if meta.get("liger_version") else "")
         + (f", TRL {meta['trl_version']}" if meta.get("trl_version") else ""),
@@ -593,8 +641,11 @@ def format_table(results, meta) -> str:
         + ("and TRL" if has_trl else "only")
         + ", of its float32 accumulator of the weight's shape while they are alive; the others "
         "accumulate in the weight's dtype), from the profiler's "
-        "allocations matched by address; raw peak counts everything; excluded = the bytes not "
-        "counted. x logits = peak / (N x V x element size). Errors on "
+        + ("CUDA " if meta.get("device", "cpu") != "cpu" else "")
+        + "allocations matched by address; raw peak counts everything"
+        + (" (torch.cuda.max_memory_allocated above the allocation before the step)"
+           if meta.get("device", "cpu") != "cpu" else "")
+        + "; excluded = the bytes not counted. x logits = peak / (N x V x element size). Errors on "
         f"{meta['sample_rows']} sampled rows (the implementation run on those rows' problem) "
         "vs float64 on the logits as computed in the input dtype (upcast exactly); "
         "'exact products' = vs float64 of h64 @ W64.T (the logits' own rounding included). "
@@ -693,6 +744,9 @@ def build_parser():
     harness.add_process_options(p)
     p.add_argument("--sample-rows", type=int, default=8, help="rows for the float64 check (8)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed for the inputs (0)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda: inputs on the GPU, CUDA-synchronized times, the "
+                        "raw peak from torch.cuda.max_memory_allocated")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the small agreement check of the kl and jsd implementations")
     harness.add_output_options(p)
@@ -731,7 +785,7 @@ def main(argv) -> int:
 
     import torch
 
-    def version(key):
+    def first(key):
         return next((r[key] for r in results if r.get(key)), (verify or {}).get(key))
 
     meta = {
@@ -741,9 +795,10 @@ def main(argv) -> int:
         "threads": harness.threads_of(results, args.threads), "repeats": args.repeats,
         "mem_limit_gib": args.mem_limit_gib,
         "chunk_bytes": args.chunk_bytes if args.chunk_bytes is not None else "default",
-        "sample_rows": args.sample_rows, "liger_version": version("liger_version"),
+        "sample_rows": args.sample_rows, "liger_version": first("liger_version"),
         "liger_chunk_size": args.liger_chunk_size, "liger_compiled": args.liger_compiled,
-        "trl_version": version("trl_version"), "kernels": args.kernels,
+        "trl_version": first("trl_version"), "kernels": args.kernels,
+        "device": args.device, "device_name": first("device_name"),
         "logits_bytes": args.tokens * args.vocab * harness.DTYPE_BYTES[args.dtype],
         **harness.run_meta("fused", argv, t_start, load_start), "verify": verify,
     }

@@ -361,16 +361,18 @@ def profile_peak(step, device: str):
     return (*kineto_peak(prof), prof)
 
 
-def allocations(prof) -> list[tuple]:
+def allocations(prof, device_type: str | None = None) -> list[tuple]:
     """``[(time_ns, order, ptr, signed bytes, enclosing op names)]`` of the profiler's
-    allocator events, in time order."""
+    allocator events, in time order; with ``device_type`` (``"cuda"``), those of that device's
+    allocator alone."""
     from torch._C._profiler import _EventType
 
     out = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.tag == _EventType.Allocation:
+        if node.tag == _EventType.Allocation and (
+                device_type is None or node.extra_fields.device.type == device_type):
             ef = node.extra_fields
             ops, parent = [], node.parent
             while parent is not None:

@@ -6,7 +6,7 @@ topkd's ``TopKLogitsKLLoss`` and ``LogitsKLLoss`` (:mod:`topkd.integrations.mode
 0.47's classes of the same names (``modelopt.torch.distill.plugins.megatron``: the Top-K loss
 renormalized over the K entries; the whole-vocabulary loss as partial sums with
 ``tp_reduce=True``). Both run in megatron-core's ``parallel_state`` with TP gloo ranks on this
-machine (CPU).
+machine (CPU), or with ``--device cuda`` on GPUs.
 
 Each case runs in its own fresh process (:mod:`benchmarks.harness`), which starts the TP ranks;
 every rank caps its own address space, makes its shard of the student logits (requiring grad)
@@ -23,6 +23,16 @@ and of the teacher logits in the input dtype (rank-seeded, in row chunks), then:
   group (a step of a TP group ends when its slowest rank does).
 * **KD loss per token**: the mean over tokens of the loss the criterion returns (Model-Optimizer's
   ``LogitsKLLoss`` partial sums all-reduced first, as Megatron's loss function does).
+
+``--device cuda``: each rank's shards are made as on the CPU, then moved to its GPU; the peak is
+``torch.cuda.max_memory_allocated`` above the allocation before the step (per process, so per
+rank also when ranks share a GPU), the times are between ``torch.cuda.synchronize()`` and a
+barrier, and no address-space cap is applied. ``--backend auto`` picks NCCL when there are at
+least TP GPUs (rank r on GPU r) and else gloo with CUDA tensors, the ranks sharing the GPUs
+round-robin: NCCL refuses two ranks on one GPU, while gloo all-reduces and all-gathers CUDA
+tensors through host memory. With ranks sharing a GPU the peaks are each rank's own, but the
+times include the other rank's kernels and gloo's copies through the host: they are not those
+of TP on separate GPUs.
 """
 
 from __future__ import annotations
@@ -64,9 +74,10 @@ def _criterion(impl, loss, args, config):
     return mo.LogitsKLLoss(config, temperature=args.temperature)
 
 
-def _inputs(args, rank, width):
+def _inputs(args, rank, width, device="cpu"):
     """Student (requires grad) and teacher shards ``[s, b, width]``: teacher ~ 2 N(0, 1),
-    student = 0.8 teacher + 1.2 N(0, 1), made in float32 a few rows at a time."""
+    student = 0.8 teacher + 1.2 N(0, 1), made in float32 a few rows at a time on the CPU, then
+    moved to ``device``."""
     import torch
 
     dtype = getattr(torch, args.dtype)
@@ -80,6 +91,8 @@ def _inputs(args, rank, width):
         teacher[lo:hi] = t
         student[lo:hi] = 0.8 * t + 1.2 * torch.randn(hi - lo, args.batch, width, generator=g)
         del t
+    if str(device) != "cpu":
+        student, teacher = student.to(device), teacher.to(device)
     return student.requires_grad_(True), teacher
 
 
@@ -98,8 +111,14 @@ def rank_main(rank, args_dict, impl, loss, port, out_dir):
             torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.tp))
             result["threads"] = torch.get_num_threads()
             result["torch"] = torch.__version__
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=args.tp,
+            on_cuda = args.device != "cpu"
+            device = "cpu"
+            if on_cuda:  # rank r on GPU r, round-robin when there are fewer GPUs than ranks
+                device = torch.device("cuda", rank % torch.cuda.device_count())
+                torch.cuda.set_device(device)
+                result["device_name"] = torch.cuda.get_device_name(device)
+            dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=rank, world_size=args.tp,
                                     timeout=timedelta(seconds=args.collective_timeout))
             stage(harness.IMPORT_STAGE)
             from importlib.metadata import version
@@ -114,10 +133,11 @@ def rank_main(rank, args_dict, impl, loss, port, out_dir):
                                        tensor_model_parallel_size=args.tp,
                                        use_cpu_initialization=True)
             crit = _criterion(impl, loss, args, config)
-            harness.cap_address_space(args.mem_limit_gib)
+            if not on_cuda:  # the CUDA driver reserves address space of its own
+                harness.cap_address_space(args.mem_limit_gib)
             stage("make inputs")
             width = args.vocab // args.tp
-            student, teacher = _inputs(args, rank, width)
+            student, teacher = _inputs(args, rank, width, device)
             result["logits_bytes"] = student.numel() * student.element_size()
             group = parallel_state.get_tensor_model_parallel_group()
             last = {}
@@ -131,20 +151,25 @@ def rank_main(rank, args_dict, impl, loss, port, out_dir):
                     dist.all_reduce(value, group=group)
                 last["loss"] = float(value) / out.numel()
 
+            def sync():  # a step of the group ends when its slowest rank's kernels do
+                if on_cuda:
+                    torch.cuda.synchronize()
+                dist.barrier()
+
             stage("forward + backward (first call)")
-            dist.barrier()
-            result["first_call_s"] = harness.first_call(step, dist.barrier)
+            sync()
+            result["first_call_s"] = harness.first_call(step, sync)
             student.grad = None
             stage("forward + backward (memory run)")
-            dist.barrier()
-            peak, retained, prof = harness.profile_peak(step, "cpu")
+            sync()
+            peak, retained, prof = harness.profile_peak(step, "cuda" if on_cuda else "cpu")
             del prof
             result.update(peak_bytes=peak, retained_bytes=retained,
                           x_logits=peak / result["logits_bytes"])
             student.grad = None
             stage("forward + backward (timing)")
-            harness.timed(step, 1, dist.barrier)
-            result["times_s"] = harness.timed(step, args.repeats, dist.barrier)
+            harness.timed(step, 1, sync)
+            result["times_s"] = harness.timed(step, args.repeats, sync)
             result["median_s"] = statistics.median(result["times_s"])
             result["loss_per_token"] = last["loss"]
             parallel_state.destroy_model_parallel()
@@ -219,7 +244,8 @@ def run_case(args, impl, loss, kernels) -> dict:
         first_call_s=max(r["first_call_s"] for r in ranks),
         loss_per_token=ranks[0]["loss_per_token"], threads=ranks[0]["threads"],
         megatron_core_version=ranks[0]["megatron_core_version"],
-        modelopt_version=ranks[0]["modelopt_version"], torch=ranks[0]["torch"])
+        modelopt_version=ranks[0]["modelopt_version"], torch=ranks[0]["torch"],
+        device_name=ranks[0].get("device_name"))
     result["median_s"] = statistics.median(result["times_s"])
     return result
 
@@ -234,16 +260,30 @@ def _label(r) -> str:
     return IMPL_LABELS[r["impl"]] + ("" if kernels == "-" else f" ({kernels})")
 
 
+def _where(meta) -> str:
+    """Where the ranks ran (results saved before ``--device`` ran on the CPU over gloo)."""
+    device, backend = meta.get("device", "cpu"), meta.get("backend", "gloo")
+    if device == "cpu":
+        return f"{backend} ranks on this CPU"
+    gpus = meta.get("gpus") or 1
+    name = f", {meta['device_name']}" if meta.get("device_name") else ""
+    if gpus >= meta["tp"]:
+        return f"{backend} ranks, one GPU each{name}"
+    return f"{backend} ranks sharing {gpus} GPU{'s' if gpus > 1 else ''}{name}"
+
+
 def format_table(results, meta) -> str:
     tokens = meta["seq"] * meta["batch"]
+    on_cpu = meta.get("device", "cpu") == "cpu"
     lines = [
-        f"Megatron criteria at TP = {meta['tp']} (gloo ranks on this CPU, megatron-core "
+        f"Megatron criteria at TP = {meta['tp']} ({_where(meta)}, megatron-core "
         f"{meta.get('megatron_core_version')} parallel_state, Model-Optimizer "
         f"{meta.get('modelopt_version')}): [s, b, V/TP] = [{meta['seq']:,}, {meta['batch']}, "
         f"{meta['vocab'] // meta['tp']:,}] {meta['dtype']} student and teacher logits per rank "
         f"({tokens:,} tokens, V = {meta['vocab']:,}), K = {meta['k']:,}, "
         f"T = {meta['temperature']:g}; torch {meta.get('torch')}, {meta['threads']} threads per "
-        f"rank, repeats = {meta['repeats']}, memory cap {meta['mem_limit_gib']:g} GiB per rank.",
+        f"rank, repeats = {meta['repeats']}"
+        + (f", memory cap {meta['mem_limit_gib']:g} GiB per rank." if on_cpu else "."),
     ]
     load = harness.load_line(meta)
     if load:
@@ -262,10 +302,16 @@ def format_table(results, meta) -> str:
             f"| {r['median_s']:.2f}{harness.spread(r['times_s'])} | {r['first_call_s']:.2f} "
             f"| {r['loss_per_token']:.6g} |")
     lines += ["", "Peak: one forward + backward, bytes allocated above the two input shards "
-                  "(profiler allocator events, running maximum), the returned student gradient "
+                  + ("(profiler allocator events, running maximum)" if on_cpu else
+                     "(torch.cuda.max_memory_allocated, per rank)")
+                  + ", the returned student gradient "
                   "(1.0x) included; the largest over the ranks. topkd's Top-K loss is "
                   "normalize=\"full\" (K entries + the exact ghost bucket), Model-Optimizer's "
-                  "renormalizes over the K entries: their loss values differ by the ghost term."]
+                  "renormalizes over the K entries: their loss values differ by the ghost term."
+                  + ("" if on_cpu or (meta.get("gpus") or 1) >= meta["tp"] else
+                     " The ranks shared a GPU: each time includes the other rank's kernels and "
+                     "gloo's copies through the host, so it is not the time of TP on separate "
+                     "GPUs.")]
     pairs = []
     for loss in LOSSES:
         for r in (x for x in results if x["impl"] == "topkd" and x["loss"] == loss):
@@ -291,8 +337,9 @@ def build_parser():
         prog="python -m benchmarks megatron",
         description="Megatron section: topkd's Model-Optimizer criteria (TopKLogitsKLLoss, "
                     "LogitsKLLoss) against Model-Optimizer 0.47's on the same [s, b, V/TP] "
-                    "logits, at TP gloo ranks on this CPU: per-rank peak memory and forward + "
-                    "backward time. Every case runs in its own processes, each rank capped.")
+                    "logits, at TP gloo ranks on this CPU (or with --device cuda on GPUs): "
+                    "per-rank peak memory and forward + backward time. Every case runs in its "
+                    "own processes, each rank capped.")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (2)")
     p.add_argument("--seq", type=int, default=512, help="sequence length s (512)")
     p.add_argument("--batch", type=int, default=2, help="micro-batch b (2)")
@@ -319,6 +366,12 @@ def build_parser():
                    help="address-space cap per rank, GiB above its size after the imports; "
                         "lowered to (MemAvailable - 1 GiB) / TP if that is less; 0 = no cap (20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (0)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default) or cuda: each rank's shards on a GPU, its peak from "
+                        "torch.cuda.max_memory_allocated")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="process group backend (auto: gloo on the CPU; on CUDA NCCL when there "
+                        "are at least --tp GPUs, else gloo with the ranks sharing them)")
     harness.add_output_options(p)
     return p
 
@@ -335,6 +388,18 @@ def main(argv) -> int:
     if args.vocab % args.tp:
         raise SystemExit(f"--vocab {args.vocab} is not a multiple of --tp {args.tp} (Megatron "
                          f"pads the vocabulary to one)")
+    gpus = 0
+    if args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if not gpus:
+            raise SystemExit("--device cuda: torch sees no CUDA device")
+    if args.backend == "auto":
+        args.backend = "nccl" if gpus >= args.tp else "gloo"
+    if args.backend == "nccl" and gpus < args.tp:
+        raise SystemExit(f"--backend nccl needs a GPU per rank ({args.tp}), {gpus} found: NCCL "
+                         "refuses two ranks on one GPU (--backend gloo shares them)")
     available = harness.mem_available_bytes()
     if args.mem_limit_gib and available is not None:
         args.mem_limit_gib = min(args.mem_limit_gib,
@@ -364,7 +429,9 @@ def main(argv) -> int:
     def first(key):
         return next((r[key] for r in results if r.get(key)), None)
 
-    meta = {"tp": args.tp, "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
+    meta = {"tp": args.tp, "device": args.device, "backend": args.backend, "gpus": gpus,
+            "device_name": first("device_name"),
+            "seq": args.seq, "batch": args.batch, "vocab": args.vocab,
             "k": args.k, "dtype": args.dtype, "temperature": args.temperature,
             "repeats": args.repeats, "mem_limit_gib": args.mem_limit_gib,
             "threads": first("threads") or args.threads, "torch": first("torch"),
