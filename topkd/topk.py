@@ -98,7 +98,7 @@ def candidates_(b: torch.Tensor, k: int):
     if k < b.shape[1]:
         # One entry more than kept: the (k+1)-th largest is the maximum of the rest.
         values, indices = topk_lowest_index(b, k + 1)
-        rest_max = values[:, k]
+        rest_max = values[:, k].contiguous()  # a plain [r]: kernels see one layout
         values, indices = values[:, :k], indices[:, :k]
     else:
         values, indices = topk_lowest_index(b, k)

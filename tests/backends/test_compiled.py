@@ -400,6 +400,27 @@ def test_no_recompiles_across_row_counts(loss):
     assert graphs[3:] == [graphs[2]] * 5, f"unique graphs after each call: {graphs}"
 
 
+@pytest.mark.parametrize("loss", ["topk_kl_loss", "kl_loss"])
+def test_no_recompiles_at_default_chunks(loss):
+    """A user's variable sequence lengths at the default chunk size: one chunk that is the
+    whole logits tensor (a leaf that requires grad), chunks that are views of it, a last chunk
+    of one row, a teacher selection whose ghost maximum is a column of its candidates. After
+    the first call no row count compiles a new graph."""
+    vocab, k = 5003, 40  # about 52 rows per chunk (the 1 MiB least budget)
+    graphs = []
+    for rows in (17, 64, 100, 129, 200, 231, 256, 299, 1, 2, 53):
+        g = torch.Generator().manual_seed(rows)
+        s = torch.randn(rows, vocab, generator=g).requires_grad_(True)
+        t = torch.randn(rows, vocab, generator=g)
+        if loss == "topk_kl_loss":
+            out = topkd.topk_kl_loss(s, t, k, impl="compile", reduction="sum")
+        else:
+            out = topkd.kl_loss(s, t, impl="compile", reduction="sum")
+        out.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0]] * (len(graphs) - 1), f"unique graphs after each: {graphs}"
+
+
 def test_recompile_counter_counts():
     """The counter above is live: a new dtype compiles new graphs."""
     before = counters["stats"]["unique_graphs"]

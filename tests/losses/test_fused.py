@@ -30,6 +30,7 @@ from helpers import (
 
 import topkd
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # this file's folder, for its subprocess
 LEAD = (3, 5)  # 15 rows
 H = 32  # student hidden width
 H_T = 24  # teacher hidden width (differs from the student's on purpose)
@@ -507,7 +508,7 @@ def test_sparse_teacher_module_takes_k_from_teacher():
 
 # ----------------------------------------------------------------------------- memory
 
-MEM_ROWS, MEM_H, MEM_V, MEM_K = 512, 256, 32000, 512
+MEM_ROWS, MEM_H, MEM_V, MEM_K = 512, 64, 32000, 512  # H small: the products are not what is bounded
 MEM_BOUND = 0.25  # x the bytes of the student logits [rows, V] in bf16
 
 
@@ -652,7 +653,7 @@ def test_peak_memory_bound_with_the_cpu_capped_at_avx2(tmp_path):
     the in-process tests then run with it; on an AVX2 CPU both are the same path."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
            "MKL_ENABLE_INSTRUCTIONS": "AVX2", "TOPKD_IMPL": "eager",
-           "PYTHONPATH": os.pathsep.join([helpers.TESTS, helpers.ROOT])}
+           "PYTHONPATH": os.pathsep.join([HERE, helpers.TESTS, helpers.ROOT])}
     code = ("import torch, test_fused as t; from topkd import memory\n"
             "assert torch.backends.cpu.get_cpu_capability() in ('AVX2', 'DEFAULT')\n"
             "assert memory.gemm_workspace(torch.bfloat16, torch.device('cpu')) == 0\n"

@@ -71,6 +71,11 @@ def _compiled(fn=None, *, rows: bool = True):
         if "fn" not in state:
             state["fn"] = torch.compile(fn, dynamic=True)
         _announce(fn.__name__, args)
+        # Dynamo guards on what a tensor is a view of and on requires_grad; a chunk is a view
+        # of the logits or not (the whole tensor, a copy), of one base height or another, so
+        # each would compile its own graph. Detached, every chunk is a plain tensor on the
+        # same storage (in-place kernels still write through).
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         single = rows and next(a for a in args if isinstance(a, torch.Tensor)).shape[0] == 1
         if single:
             args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
