@@ -252,8 +252,6 @@ def run_case(args, impl, loss_kind, divergence, rows, kernels="-") -> dict:
         # not on CUDA, whose driver reserves a large address space
         if args.device == "cpu":
             harness.cap_address_space(args.mem_limit_gib)
-        else:
-            result["device_name"] = torch.cuda.get_device_name(args.device)
         dtype = getattr(torch, args.dtype)
         stage(harness.IMPORT_STAGE)
         fn = loss_function(impl, loss_kind, divergence, args.k, args.temperature,

@@ -326,8 +326,6 @@ def run_case(args, impl, loss_kind, kernels="-") -> dict:
     with harness.stages(result) as stage:
         stage("import torch")
         torch = harness.child_torch(args, result)
-        if on_cuda:
-            result["device_name"] = torch.cuda.get_device_name(args.device)
         stage(harness.IMPORT_STAGE)
         if impl in ("liger", "trl"):
             key, value = _version(impl)

@@ -522,11 +522,14 @@ def load_line(meta: dict) -> str | None:
 
 def child_torch(args, result: dict):
     """A child's torch: ``--threads`` applied, the thread count and torch version recorded in
-    ``result``."""
+    ``result`` (and, with a CUDA ``--device``, the GPU's name)."""
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     result["threads"] = torch.get_num_threads()
     result["torch"] = torch.__version__
+    device = getattr(args, "device", "cpu")
+    if device.startswith("cuda"):
+        result["device_name"] = torch.cuda.get_device_name(device)
     return torch

@@ -217,17 +217,24 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_compile_equals_eager(case):
+def case_inputs(case, device="cpu"):
+    """``(loss, inputs on device, options)`` of a :data:`CASES` case."""
     loss, dtype, reduction, opts, lead, neg_inf = CASES[case]
     d = _data(dtype, lead)
     if neg_inf:
         d = _with_neg_inf(d)
+    d = {name: x.to(device) for name, x in d.items()}
     opts = dict(opts, reduction=reduction)
     if opts.get("labels") is True:
         opts["labels"] = d["labels"]
     if reduction != "none":
         opts["mask"] = d["mask"]
+    return loss, d, opts
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compile_equals_eager(case):
+    loss, d, opts = case_inputs(case)
     assert_agree(_call(loss, d, "eager", **dict(opts)), _call(loss, d, "compile", **dict(opts)),
                  case)
 

@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from test_compiled import CASES, _call, _data, _with_neg_inf, assert_agree
+from test_compiled import CASES, _call, assert_agree, case_inputs
 
 import topkd
 
@@ -35,21 +35,6 @@ COMPILED = [
 ]
 
 
-def _case(case, device):
-    """``(loss, data on device, options)`` of one of test_compiled's cases."""
-    loss, dtype, reduction, opts, lead, neg_inf = CASES[case]
-    d = _data(dtype, lead)
-    if neg_inf:
-        d = _with_neg_inf(d)
-    d = {name: x.to(device) for name, x in d.items()}
-    opts = dict(opts, reduction=reduction)
-    if opts.get("labels") is True:
-        opts["labels"] = d["labels"]
-    if reduction != "none":
-        opts["mask"] = d["mask"]
-    return loss, d, opts
-
-
 def _on_cpu(result):
     value, grads = result
     return value.cpu(), [g.cpu() for g in grads]
@@ -57,16 +42,16 @@ def _on_cpu(result):
 
 @pytest.mark.parametrize("case", COMPILED)
 def test_compile_equals_eager_on_device(case):
-    loss, d, opts = _case(case, DEVICE)
+    loss, d, opts = case_inputs(case, DEVICE)
     assert_agree(_call(loss, d, "eager", **dict(opts)), _call(loss, d, "compile", **dict(opts)),
                  f"{case} on {DEVICE}")
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_eager_on_device_equals_cpu(case):
-    loss, d, opts = _case(case, DEVICE)
+    loss, d, opts = case_inputs(case, DEVICE)
     on_device = _on_cpu(_call(loss, d, "eager", **dict(opts)))
-    loss, d, opts = _case(case, "cpu")
+    loss, d, opts = case_inputs(case, "cpu")
     assert_agree(_call(loss, d, "eager", **dict(opts)), on_device, f"{case}: cpu vs {DEVICE}")
 
 
