@@ -433,3 +433,31 @@ def linear_loss_and_grads(fn, hidden, weight, *args, bias=None, grad_output=None
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in (h, w)] + [
             None if b is None else (b.grad if b.grad is not None else torch.zeros_like(b))]
     return (loss.detach(), *[None if x is None else x.detach() for x in grads])
+
+
+def sampled_loss(student_logits, indices, counts, samples, *, temperature=1.0, logq=None,
+                 vocab_size=None, mask=None, reduction="none", labels=None, ignore_index=-100,
+                 kd_weight=1.0, ce_weight=0.0, logit_scale=1.0, softcap=None,
+                 return_components=False):
+    """Reference of the loss against a ``SampledTeacher``: per row ``-sum_i (c_i / N) log
+    p(y_i)`` over the distinct ids drawn (``indices`` ``[..., S]``, ``-1`` unused, ``counts``
+    ``[..., S]``), plus ``sum_i (c_i / N) log q(y_i)`` when the teacher's ``logq`` of the ids
+    are given. Its gradient is ``(p - c / N) / T``."""
+    z = transform_logits(student_logits, logit_scale, softcap)
+    zr, lead, v = _rows(z, vocab_size)
+    logp = torch.log_softmax(zr / temperature, dim=-1)
+    s = indices.shape[-1]
+    ids = indices.reshape(-1, s).to(torch.int64)
+    w = counts.reshape(-1, s).to(torch.float64) / samples
+    used = w > 0
+    picked = logp.gather(-1, torch.where(used, ids, torch.zeros_like(ids)))
+    kd = -torch.where(used, w * picked, torch.zeros_like(picked)).sum(-1)
+    if logq is not None:
+        lq = logq.reshape(-1, s).to(torch.float64)
+        kd = kd + torch.where(used, w * torch.where(used, lq, 0.0), 0.0).sum(-1)
+    ce = has = None
+    if labels is not None:
+        ce, has = cross_entropy_rows(z, labels, ignore_index=ignore_index, vocab_size=vocab_size)
+    out = combine(kd, ce, has, lead, mask=mask, kd_weight=kd_weight, ce_weight=ce_weight,
+                  reduction=reduction)
+    return out if return_components else out[0]

@@ -6,8 +6,9 @@ from .entry import distill_loss
 from .fused import FusedLogitsKLLoss, FusedTopKLogitsKLLoss, fused_kl_loss, fused_topk_kl_loss
 from .losses import LogitsKLLoss, TopKLogitsKLLoss, kl_loss, sparse_kl_loss, topk_kl_loss
 from .options import KDOptions
+from .sampling import sample_teacher
 from .select import select_topk
-from .teacher import SparseTeacher
+from .teacher import SampledTeacher, SparseTeacher
 
 __all__ = [
     "JSD",
@@ -21,6 +22,7 @@ __all__ = [
     "LossParts",
     "ReverseKL",
     "SkewKL",
+    "SampledTeacher",
     "SkewReverseKL",
     "SparseTeacher",
     "TopKLogitsKLLoss",
@@ -28,6 +30,7 @@ __all__ = [
     "fused_kl_loss",
     "fused_topk_kl_loss",
     "kl_loss",
+    "sample_teacher",
     "select_topk",
     "sparse_kl_loss",
     "topk_kl_loss",

@@ -197,3 +197,33 @@ def aligned(shards, vocab: int) -> int:
             f"teacher columns from {teacher.offset} ({teacher.width} wide)"
         )
     return valid
+
+
+def sampled_teacher(teacher) -> None:
+    """A :class:`~topkd.SampledTeacher`'s tensors: shapes, dtypes, and on every row that is not
+    padding, distinct ids with counts summing to ``samples`` (one host sync)."""
+    indices, counts = teacher.indices, teacher.counts
+    integer("samples", teacher.samples, 1)
+    for name, t in (("indices", indices), ("counts", counts)):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise TypeError(f"SampledTeacher.{name} must be an integer tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    if indices.dim() < 1 or counts.shape != indices.shape:
+        raise ValueError(f"SampledTeacher.counts must have indices' shape "
+                         f"{tuple(indices.shape)}, got {tuple(counts.shape)}")
+    if teacher.logprobs is not None and teacher.logprobs.shape != indices.shape:
+        raise ValueError(f"SampledTeacher.logprobs must have indices' shape "
+                         f"{tuple(indices.shape)}, got {tuple(teacher.logprobs.shape)}")
+    if indices.numel() == 0:
+        return
+    used = counts > 0
+    ids = torch.where(used, indices.long(), -1).sort(-1).values
+    repeated = ((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any(-1)
+    bad = (repeated | (counts.long().sum(-1) != teacher.samples) | (counts < 0).any(-1)
+           | (used & ((indices < 0) | (indices >= teacher.vocab_size))).any(-1))
+    if teacher.mask is not None:
+        bad = bad & teacher.mask
+    if bool(bad.any()):
+        raise ValueError(f"SampledTeacher: every row must hold distinct ids in [0, "
+                         f"{teacher.vocab_size}) with counts >= 0 summing to samples="
+                         f"{teacher.samples} (use topkd.sample_teacher)")

@@ -247,6 +247,21 @@ class TVD(Divergence):
         return diff.abs().mul_(0.5), diff.sign_().mul_(p).mul_(0.5)
 
 
+class SampledCrossEntropy(Divergence):
+    """Forward KL against a :class:`~topkd.SampledTeacher`, as the losses run it internally
+    (not a registered name): over the buckets, ``-w log p`` with ``w = counts / samples`` the
+    drawn tokens' weights (given in place of ``log q``). Its gradient w.r.t. the student's
+    logits is ``p - w``, an unbiased estimate of ``KL(q || p)``'s ``p - q``."""
+
+    name = "sampled_kl"
+
+    def pointwise(self, logp, logw):
+        return _weighted(logw.exp(), -logp)
+
+
+SAMPLED_CE = SampledCrossEntropy()
+
+
 def has_own_terms(divergence: Divergence) -> bool:
     """Whether ``divergence`` defines :meth:`Divergence.terms` itself (rather than deriving
     it from :meth:`~Divergence.pointwise` by autograd): a compiled backend can trace it."""

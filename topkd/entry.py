@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from . import _checks, backends, memory, parallel
+from .divergences import KL, SAMPLED_CE
 from .engine import Call, Config, LossParts, RowLoss, ScalarLoss
 from .options import KDOptions
 from .parallel import AllReduceGradient
 from .select import select_rows
 from .sources import BlockedSource, LinearSource, LogitsSource, product_dtype
-from .teacher import SparseTeacher
+from .teacher import SampledTeacher, SparseTeacher
 
 _SPARSE_NAMES = ("indices", "logprobs", "rest")
 _HEAD_NAMES = ("hidden", "weight", "bias")
@@ -74,6 +75,9 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
     if isinstance(teacher, SparseTeacher):
         return _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels,
                                shards, one_pass)
+    if isinstance(teacher, SampledTeacher):
+        return _sampled_teacher(student_tensors, teacher, options, names, lead, x, mask,
+                                labels, shards, one_pass)
     if options.k is None:
         if options.top_p is not None:
             raise ValueError(f"top_p={options.top_p} needs k (the full-vocabulary loss keeps "
@@ -147,6 +151,52 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
         raise ValueError("top_p applies when selecting; this SparseTeacher is already "
                          "selected (pass top_p to select_topk)")
     _checks.same_leading(names["student"], lead, "teacher", teacher.indices.shape[:-1])
+    return _rows_teacher(student_tensors, teacher, sparse_tensors(teacher, lead.numel()), options,
+                         names, lead, x, mask, labels, shards, one_pass)
+
+
+def _sampled_teacher(student_tensors, teacher, options, names, lead, x, mask, labels, shards,
+                     one_pass):
+    """The loss against a :class:`SampledTeacher`: ``-sum_i (c_i / N) log p(y_i)`` per row,
+    whose gradient ``p - c / N`` w.r.t. the student's (tempered) logits is an unbiased estimate
+    of forward KL's ``p - q``; plus ``sum_i (c_i / N) log q(y_i)`` (no gradient) when the
+    teacher has its log-probs, making the value an unbiased estimate of ``KL(q || p)``."""
+    if not isinstance(options.divergence, KL):
+        raise ValueError(f"divergence={options.divergence!r} cannot be estimated without bias "
+                         f"from a SampledTeacher (tokens drawn from the teacher): only forward "
+                         f"KL (divergence='kl') can; use a top-K teacher for other divergences")
+    if options.normalize != "full":
+        raise ValueError(f"normalize={options.normalize!r} applies to top-K teachers; a "
+                         f"SampledTeacher's counts already estimate the whole distribution")
+    if options.top_p is not None:
+        raise ValueError(f"top_p={options.top_p} applies to top-K selection; a SampledTeacher "
+                         f"holds tokens drawn from the whole distribution (no nucleus to cut)")
+    if options.k is not None and options.k != teacher.k:
+        raise ValueError(f"k={options.k} applies to top-K teachers; a SampledTeacher has "
+                         f"{teacher.samples} samples in {teacher.k} slots per row")
+    _checks.same_leading(names["student"], lead, "teacher", teacher.indices.shape[:-1])
+    _checks.teacher_mask(mask, teacher, lead)
+    _checks.sampled_teacher(teacher)
+    n, k = lead.numel(), teacher.k
+    weights = teacher.weights()
+    tensors = dict(zip(_SPARSE_NAMES, (
+        teacher.indices.reshape(n, k).long(),
+        torch.where(weights > 0, weights.log(), float("-inf")).reshape(n, k),
+        torch.full((n,), float("-inf"), device=weights.device)), strict=True))
+    offset = None
+    if teacher.logprobs is not None:
+        logq = teacher.logprobs.float().reshape(n, k)
+        offset = torch.where(weights.reshape(n, k) > 0, weights.reshape(n, k) * logq,
+                             0.0).sum(-1)
+    return _rows_teacher(student_tensors, teacher, tensors,
+                         options.replace(divergence=SAMPLED_CE, k=None), names, lead, x, mask,
+                         labels, shards, one_pass, kd_offset=offset)
+
+
+def _rows_teacher(student_tensors, teacher, teacher_tensors, options, names, lead, x, mask,
+                  labels, shards, one_pass, kd_offset=None):
+    """The loss against a teacher given as rows of kept entries (``teacher_tensors``, the
+    engine's ``[n, K]`` indices and log-probs and ``[n]`` ghost)."""
     _checks.teacher_temperature(options.temperature, teacher)
     mask = _checks.teacher_mask(mask, teacher, lead)
     fields, labels = _objective(options, labels, lead, x.device)
@@ -161,9 +211,9 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
     _checks.label_range(labels, fields["ignore_index"], vocab)
     cfg = _config(fields, options, shard, vocab, n, student_tensors, labels, sparse=True,
                   teacher_blocks=False)
-    return _run(_sparse_call(cfg, student_tensors, n),
-                {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
-                lead_shape=lead, labels=labels, one_pass=one_pass)
+    return _run(_sparse_call(cfg, student_tensors, n), {**student_tensors, **teacher_tensors},
+                options, mask=mask, lead_shape=lead, labels=labels, one_pass=one_pass,
+                kd_offset=kd_offset)
 
 
 # ---- inputs -------------------------------------------------------------------------------
@@ -321,9 +371,10 @@ def _sparse_call(cfg: Config, student_tensors: dict, n: int) -> Call:
 
 
 def _run(call: Call, tensors: dict, options: KDOptions, *, mask, lead_shape, labels,
-         teacher_rows=None, one_pass=False):
+         teacher_rows=None, one_pass=False, kd_offset=None):
     """Run the engine for a checked call and reduce the rows: ``kd_weight * KD + ce_weight *
-    CE``, each averaged over its own rows for ``"mean"``."""
+    CE``, each averaged over its own rows for ``"mean"``. ``kd_offset``: per-row constants
+    (``[n]``, no gradient) added to the KD rows."""
     cfg, n, reduction = call.config, call.count, options.reduction
     named = dict(tensors, labels=labels)
     args = [named.get(name) for name in call.names]
@@ -336,8 +387,13 @@ def _run(call: Call, tensors: dict, options: KDOptions, *, mask, lead_shape, lab
                    torch.zeros(n, device=device) if labels is None else
                    _row_weights(keep_ce, n, reduction, device))
         loss, kd, ce = ScalarLoss.apply(call, weights, teacher_rows, *args)
+        if kd_offset is not None:
+            constant = (weights[0] * kd_offset).sum()
+            loss, kd = loss + cfg.kd_weight * constant, kd + constant
         return LossParts(loss, kd, ce) if options.return_components else loss
     kd_rows, ce_rows = RowLoss.apply(call, *args)
+    if kd_offset is not None:
+        kd_rows = kd_rows + kd_offset
     kd = reduce_rows(kd_rows, keep, reduction, lead_shape)
     ce = reduce_rows(ce_rows, keep_ce, reduction, lead_shape)
     loss = cfg.kd_weight * kd + cfg.ce_weight * ce if labels is not None else cfg.kd_weight * kd

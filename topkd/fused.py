@@ -15,19 +15,19 @@ import torch
 from .entry import distill_loss
 from .losses import LossModule
 from .options import FUSED_KL_OPTIONS, FUSED_TOPK_OPTIONS, KDOptions, keywords
-from .teacher import SparseTeacher
+from .teacher import SampledTeacher, SparseTeacher
 
 
 def _teacher_k(options: KDOptions, teacher) -> KDOptions:
     """``k`` is required unless the teacher is a :class:`SparseTeacher` (which has its own)."""
-    if options.k is None and not isinstance(teacher, SparseTeacher):
+    if options.k is None and not isinstance(teacher, (SparseTeacher, SampledTeacher)):
         raise ValueError("k is required when the teacher is given as logits or as "
                          "(hidden, weight[, bias])")
     return options
 
 
 def _full_teacher(teacher) -> None:
-    if isinstance(teacher, SparseTeacher):
+    if isinstance(teacher, (SparseTeacher, SampledTeacher)):
         raise TypeError("fused_kl_loss needs the whole teacher distribution: teacher logits "
                         "or (hidden, weight[, bias]); use fused_topk_kl_loss for a "
                         "SparseTeacher")
@@ -74,7 +74,8 @@ def fused_topk_kl_loss(
             the products then run in the 16-bit dtype (the weight converted once per call, as
             autocast does) and the weight's gradient is returned in float32.
         teacher: teacher logits ``[..., V_r]`` (``k`` required); a :class:`SparseTeacher`
-            (online or from a store: ``k``, ``top_p`` and the temperature are its own); or
+            (online or from a store: ``k``, ``top_p`` and the temperature are its own); a
+            :class:`SampledTeacher` (forward KL only, as in :func:`topkd.sparse_kl_loss`); or
             ``(teacher_hidden, teacher_weight[, teacher_bias])``, whose logits (with
             ``teacher_logit_scale`` and ``teacher_softcap``) are made block by block under no
             grad.

@@ -12,12 +12,12 @@ import torch
 from . import _checks
 from .entry import distill_loss
 from .options import KL_OPTIONS, TOPK_OPTIONS, KDOptions, keywords
-from .teacher import SparseTeacher
+from .teacher import SampledTeacher, SparseTeacher
 
 
 def sparse_kl_loss(
     student_logits: torch.Tensor,
-    teacher: SparseTeacher,
+    teacher: SparseTeacher | SampledTeacher,
     *,
     divergence="kl",
     reverse: bool = False,
@@ -36,7 +36,13 @@ def sparse_kl_loss(
     impl: str = "auto",
 ):
     """A divergence between the student and a :class:`SparseTeacher` (online or offline),
-    plus an optional hard-label cross-entropy.
+    plus an optional hard-label cross-entropy; or forward KL against a :class:`SampledTeacher`
+    (tokens drawn from the teacher, :func:`topkd.sample_teacher`): an unbiased estimate of the
+    full-vocabulary KL's gradient (other divergences, ``normalize="topk"`` and ``top_p`` are
+    refused with it). Against a SampledTeacher the value per row is ``-sum (c / N) log p(y)``
+    over the ``N`` draws (the cross-entropy, which estimates ``KL(q || p) + H(q)``), plus
+    ``sum (c / N) log q(y)`` when it carries the teacher's log-probs (then an unbiased estimate
+    of ``KL(q || p)`` itself).
 
     Args:
         student_logits: ``[..., V_r]`` float32/bfloat16/float16, contiguous or not; with
@@ -75,8 +81,9 @@ def sparse_kl_loss(
         the student's dtype and shape; all vocabulary sums are computed in float32 relative to
         row maxima, so the result is exact to float32 rounding and unchanged by a common offset.
     """
-    if not isinstance(teacher, SparseTeacher):
-        raise TypeError(f"teacher must be a topkd.SparseTeacher, got {type(teacher).__name__}")
+    if not isinstance(teacher, (SparseTeacher, SampledTeacher)):
+        raise TypeError(f"teacher must be a topkd.SparseTeacher or SampledTeacher, got "
+                        f"{type(teacher).__name__}")
     options = KDOptions(**keywords(locals(), "student_logits", "teacher"))
     return distill_loss(student_logits, teacher, options, mask=mask, labels=labels)
 
