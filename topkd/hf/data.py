@@ -6,8 +6,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..store import collate_teachers, require_keys
-from ..teacher import SparseTeacher
+from ..store import require_keys
+from ..store.rows import collate_any
+from ..teacher import SampledTeacher, SparseTeacher
 
 
 def _sequence(item: dict, key: str) -> torch.Tensor:
@@ -90,7 +91,7 @@ class KDCollator:
             out["teacher"] = self._teachers(items, ids, length)
         return out
 
-    def _teachers(self, items, ids, length) -> SparseTeacher:
+    def _teachers(self, items, ids, length) -> SparseTeacher | SampledTeacher:
         teachers = []
         for item, seq in zip(items, ids, strict=True):
             teacher = item.get("teacher")
@@ -100,6 +101,5 @@ class KDCollator:
                 raise ValueError(f"sample {item.get('sample_id')!r}: {len(seq)} tokens but "
                                  f"{teacher.indices.shape[0]} stored teacher rows")
             teachers.append(teacher)
-        return collate_teachers(teachers, pad_to=length, k=self.store.k,
-                                vocab_size=self.store.vocab_size,
-                                temperature=self.store.temperature)
+        return collate_any(teachers, pad_to=length, k=self.store.k,
+                           vocab_size=self.store.vocab_size, temperature=self.store.temperature)

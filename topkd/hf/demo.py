@@ -8,7 +8,9 @@
 3. A smaller Llama student, from the same initial weights, trained three ways by
    :class:`~topkd.hf.KDTrainer` with the same steps, batches and learning rate: cross-entropy
    only; online top-K KD from the teacher; top-K KD from a :class:`~topkd.store.TeacherStore`
-   of the teacher's rows built on the spot.
+   of the teacher's rows built on the spot. With ``store_kind="sampled"`` (or ``"both"``) a
+   fourth way: KD from ``samples`` tokens drawn from the teacher per position (RS-KD,
+   :func:`topkd.sample_teacher`), the rows kept as distinct ids and counts.
 4. A table of held-out KL(teacher || student) and cross-entropy, before and after.
 
 :func:`run_demo` does it and returns the numbers (:class:`DemoResult`); :func:`run` is the
@@ -52,6 +54,8 @@ STUDENT = dict(hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_at
 STUDENT_BATCH = 8
 STUDENT_LR = 3e-3
 K = 16
+SAMPLES = 12  # tokens drawn per position for the sampled rows (RS-KD)
+STORE_KINDS = ("topk", "sampled", "both")
 STEPS = 400  # each student's
 EVAL_BATCH = 64
 THREADS = 1  # PyTorch CPU threads of the run (see run_demo)
@@ -194,7 +198,8 @@ class RunResult:
 @dataclass
 class DemoResult:
     """What :func:`run_demo` measured. ``runs`` by name: ``"ce"`` (cross-entropy only),
-    ``"online"`` (top-K KD from the teacher) and ``"store"`` (top-K KD from the store)."""
+    ``"online"`` (top-K KD from the teacher), ``"store"`` (top-K KD from the store) and, with
+    sampled rows, ``"sampled"`` (KD from ``samples`` drawn tokens per position)."""
 
     steps: int
     teacher_steps: int
@@ -205,6 +210,9 @@ class DemoResult:
     store_bytes: int = 0
     store_seconds: float = 0.0
     seconds: float = 0.0
+    samples: int = SAMPLES
+    sampled_bytes: int = 0  # the sampled rows' bytes (0: no sampled run)
+    sampled_seconds: float = 0.0
 
 
 # name: (label, KDConfig fields, reads the store). The cross-entropy run reads the store too:
@@ -215,6 +223,18 @@ RUNS = {
     "online": (f"online top-{K} KD", dict(kd_weight=1.0, ce_weight=0.0), False),
     "store": (f"top-{K} KD from a store", dict(kd_weight=1.0, ce_weight=0.0), True),
 }
+SAMPLED_RUN = (f"{SAMPLES}-sample KD, stored", dict(kd_weight=1.0, ce_weight=0.0), True)
+
+
+def _runs(store_kind: str, samples: int) -> dict:
+    """The runs of a demo: :data:`RUNS`, with ``"sampled"`` after them or in place of the
+    top-K store's."""
+    runs = dict(RUNS)
+    if store_kind == "sampled":
+        del runs["store"]
+    if store_kind in ("sampled", "both"):
+        runs["sampled"] = (f"{samples}-sample KD, stored",) + SAMPLED_RUN[1:]
+    return runs
 
 
 # -- the demo ---------------------------------------------------------------------------------
@@ -248,7 +268,8 @@ def check_ready(out: str | None) -> None:
 
 def run_demo(*, steps: int = STEPS, teacher_steps: int | None = None, seed: int = 0,
              out: str | None = None, progress: bool = True, file=None,
-             threads: int | None = THREADS) -> DemoResult:
+             threads: int | None = THREADS, store_kind: str = "topk",
+             samples: int = SAMPLES) -> DemoResult:
     """Generate the corpus, train the teacher for ``teacher_steps`` (default
     ``3 * steps // 5``), distill the student three ways for ``steps`` each, print the table to
     ``file`` (default stdout) and return the numbers.
@@ -263,7 +284,13 @@ def run_demo(*, steps: int = STEPS, teacher_steps: int | None = None, seed: int 
     default is one: two are faster on a quiet machine, but threads that share a busy
     machine's cores wait on each other, and the demo should take minutes anywhere (see the
     README for the timings). Everything the demo needs is checked first
-    (:func:`check_ready`)."""
+    (:func:`check_ready`).
+
+    ``store_kind``: ``"topk"`` (the three runs above), ``"sampled"`` (the stored run from
+    ``samples`` tokens drawn per position instead of the top-K rows) or ``"both"`` (four
+    runs)."""
+    if store_kind not in STORE_KINDS:
+        raise ValueError(f"store_kind must be one of {STORE_KINDS}, got {store_kind!r}")
     check_ready(out)
     from transformers.utils import logging as hf_logging
 
@@ -300,20 +327,29 @@ def run_demo(*, steps: int = STEPS, teacher_steps: int | None = None, seed: int 
         result.store_bytes = _build_store(teacher, train, store, progress)
         result.store_seconds = time.perf_counter() - store_start
         result.store_tokens = len(train) * SEQ_LEN
+        runs = _runs(store_kind, samples)
+        stores = dict.fromkeys(runs, store)
+        if "sampled" in runs:
+            sampled_start = time.perf_counter()
+            stores["sampled"], result.sampled_bytes = _sampled_rows(teacher, train, samples,
+                                                                    seed, progress)
+            result.sampled_seconds = time.perf_counter() - sampled_start
+            result.samples = samples
 
         before = _evaluate(student, teacher, held_out_items, work)
-        for name, (label, weights, reads_store) in RUNS.items():
+        for name, (label, weights, reads_store) in runs.items():
             run_start = time.perf_counter()
             trained = copy.deepcopy(student)
             _distill(trained, teacher if not reads_store else None,
-                     store if reads_store else None, train, weights, steps, seed,
+                     stores[name] if reads_store else None, train,
+                     {**weights, "k": None if name == "sampled" else K}, steps, seed,
                      os.path.join(work, name), label if progress else None)
             after = _evaluate(trained, teacher, held_out_items, work)
             result.runs[name] = RunResult(before["eval_kl"], after["eval_kl"],
                                           before["eval_ce"], after["eval_ce"],
                                           time.perf_counter() - run_start)
         result.seconds = time.perf_counter() - start
-        _print_table(result, file, out)
+        _print_table(result, runs, file, out)
     return result
 
 
@@ -417,6 +453,33 @@ def _build_store(teacher, train: list[dict], path: str, progress: bool) -> int:
     return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
 
 
+@torch.no_grad()
+def _sampled_rows(teacher, train: list[dict], samples: int, seed: int, progress: bool):
+    """``samples`` tokens drawn from the teacher per position of every training sequence
+    (seeded by the sequence's id), kept in memory as a :class:`~topkd.store.rows.TeacherRows`;
+    and the bytes those rows take stored (distinct int32 ids, a count byte each, a row
+    length byte and the int32 token id per token: :func:`~topkd.store.rows.sampled_row_bytes`).
+    """
+    from .. import sample_teacher
+    from ..store.rows import TeacherRows, sampled_row_bytes, trimmed
+
+    device = _device()
+    rows, tokens = {}, {}
+    with _bar(len(train), f"sampled rows: {samples} draws per token", progress) as bar:
+        for first in range(0, len(train), EVAL_BATCH):
+            items = train[first:first + EVAL_BATCH]
+            batch = torch.stack([item["input_ids"] for item in items])
+            drawn = sample_teacher(teacher(input_ids=batch.to(device)).logits, samples,
+                                   seed=seed, sample_ids=[item["sample_id"] for item in items])
+            drawn = drawn.to("cpu")
+            for i, item in enumerate(items):
+                rows[item["sample_id"]] = trimmed(drawn.map(lambda t, i=i: t[i]))
+                tokens[item["sample_id"]] = item["input_ids"]
+            bar.update(len(items))
+    store = TeacherRows(rows, tokens)
+    return store, sum(sampled_row_bytes(t) for t in rows.values())
+
+
 def _config(output_dir: str, **fields):
     from .trainer import KDConfig
 
@@ -436,7 +499,7 @@ def _distill(student, teacher, store: str | None, train: list[dict], weights: di
 
     args = _config(output_dir, max_steps=steps, learning_rate=STUDENT_LR,
                    lr_scheduler_type="linear", warmup_steps=max(1, steps // 20),
-                   weight_decay=0.0, seed=seed, data_seed=seed, k=K, **weights)
+                   weight_decay=0.0, seed=seed, data_seed=seed, **weights)
     bar = _bar(steps, label or "", label is not None)
 
     class Progress(TrainerCallback):
@@ -463,7 +526,7 @@ def _evaluate(student, teacher, held_out: list[dict], out: str) -> dict:
     return trainer.evaluate(eval_dataset=held_out)
 
 
-def _print_table(result: DemoResult, file, out: str | None) -> None:
+def _print_table(result: DemoResult, runs: dict, file, out: str | None) -> None:
     uniform = math.log(VOCAB_SIZE)
     lines = [
         "",
@@ -482,21 +545,32 @@ def _print_table(result: DemoResult, file, out: str | None) -> None:
     ]
     for name, run in result.runs.items():
         ratio = run.kl_after / run.kl_before if run.kl_before > 0 else float("nan")
-        lines.append(f"{RUNS[name][0]:<26}{run.kl_before:>9.3f}{run.kl_after:>10.3f}"
+        lines.append(f"{runs[name][0]:<26}{run.kl_before:>9.3f}{run.kl_after:>10.3f}"
                      f"{f'x{ratio:.3f}':>9}{run.ce_before:>10.3f}{run.ce_after:>10.3f}"
                      f"{f'{run.seconds:.0f} s':>7}")
-    ce, online, stored = (result.runs[name] for name in ("ce", "online", "store"))
+    ce, online = result.runs["ce"], result.runs["online"]
+    stored = result.runs.get("store", result.runs.get("sampled"))
     if min(online.kl_after, stored.kl_after) > 0:
         lines += ["", f"With the same steps, KD ends {ce.kl_after / online.kl_after:.1f}x "
                   f"(online) and {ce.kl_after / stored.kl_after:.1f}x (store) closer to the "
                   f"teacher than cross-entropy alone."]
     dense = result.store_tokens * VOCAB_SIZE * 4
-    lines += [
+    lines.append(
         f"Store: {result.store_tokens:,} token rows of top-{K} in "
         f"{result.store_bytes / 2**20:.1f} MiB (as float32 logits: {dense / 2**20:,.0f} MiB), "
-        f"built in {result.store_seconds:.0f} s.",
-        f"Total time: {result.seconds:.0f} s.",
-    ]
+        f"built in {result.store_seconds:.0f} s.")
+    if "sampled" in result.runs:
+        per_token = result.sampled_bytes / max(result.store_tokens, 1)
+        topk = result.store_bytes / max(result.store_tokens, 1)
+        lines.append(
+            f"Sampled rows ({result.samples} draws per token, distinct ids and counts): "
+            f"{result.sampled_bytes / 2**20:.1f} MiB, {per_token:.1f} B per token "
+            f"(top-{K} store: {topk:.1f} B, x{per_token / topk:.2f}), drawn in "
+            f"{result.sampled_seconds:.0f} s.")
+        if "store" in result.runs and result.runs["store"].kl_after > 0:
+            ratio = result.runs["sampled"].kl_after / result.runs["store"].kl_after
+            lines.append(f"Sampled KD ends at x{ratio:.2f} the top-{K} store's held-out KL.")
+    lines.append(f"Total time: {result.seconds:.0f} s.")
     if out is not None:
         lines.append(f"Saved in {out}: teacher/ (trained), student/ (untrained), store/, "
                      f"train.jsonl and heldout.jsonl ({{\"id\", \"input_ids\"}} per line).")
@@ -529,14 +603,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_int_at_least(1), default=THREADS, metavar="N",
                         help=f"PyTorch CPU threads (default {THREADS}: more are faster on a "
                         f"quiet machine and far slower on a busy one)")
+    parser.add_argument("--store-kind", choices=STORE_KINDS, default="topk",
+                        help="the stored teacher the offline run reads: top-K rows (default), "
+                        "SAMPLES tokens drawn per position (RS-KD), or both (four runs)")
+    parser.add_argument("--samples", type=_int_at_least(1), default=SAMPLES, metavar="N",
+                        help=f"tokens drawn per position for --store-kind sampled/both "
+                        f"(default {SAMPLES})")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     """``topkd demo`` with the options of :func:`add_arguments`; the exit status."""
     run_demo(steps=args.steps, teacher_steps=args.teacher_steps, seed=args.seed,
-             out=args.out, progress=not args.quiet, threads=args.threads)
+             out=args.out, progress=not args.quiet, threads=args.threads,
+             store_kind=args.store_kind, samples=args.samples)
     return 0
 
 
-__all__ = ["DemoResult", "Language", "RunResult", "add_arguments", "run", "run_demo"]
+__all__ = ["DemoResult", "Language", "RunResult", "STORE_KINDS", "add_arguments", "run",
+           "run_demo"]

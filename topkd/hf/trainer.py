@@ -16,7 +16,7 @@ from transformers.training_args import ParallelMode
 from .. import divergences
 from ..entry import distill_loss
 from ..options import KDOptions
-from ..teacher import SparseTeacher
+from ..teacher import SampledTeacher, SparseTeacher
 from .data import KDCollator
 from .models import (
     FinalHidden,
@@ -144,7 +144,9 @@ class KDTrainer(Trainer):
             widths["teacher"] = head(teacher)[0].shape[0]
         self.vocab_size = check_setup(k=args.k, top_p=args.top_p, temperature=args.temperature,
                                       widths=widths, tokenizer=processing_class, store=store,
-                                      teacher_tokenizer=teacher_tokenizer)
+                                      teacher_tokenizer=teacher_tokenizer,
+                                      divergence=self.options.divergence,
+                                      normalize=args.normalize)
         self.options = self.options.replace(vocab_size=self.vocab_size)
         if store is not None:  # a store's rows: their K, top-p and temperature are their own
             self.options = self.options.replace(k=None, top_p=None, temperature=None)
@@ -266,10 +268,10 @@ class KDTrainer(Trainer):
                 kl = distill_loss(student, teacher, _full_kl(options)).kd
         return _Parts(result.loss, result.kd, result.ce, int(keep.sum()), kl)
 
-    def _stored(self, inputs, keep) -> SparseTeacher:
+    def _stored(self, inputs, keep) -> SparseTeacher | SampledTeacher:
         """The batch's stored teacher rows at the learned tokens."""
         teacher = inputs.get("teacher")
-        if not isinstance(teacher, SparseTeacher):
+        if not isinstance(teacher, (SparseTeacher, SampledTeacher)):
             raise ValueError("the batch has no 'teacher' rows: with store= the data collator "
                              "must attach them (KDCollator does; check remove_unused_columns)")
         teacher = teacher.to(keep.device)
@@ -277,6 +279,8 @@ class KDTrainer(Trainer):
             raise ValueError("a learned token has no stored teacher row (the store's sequence "
                              "is shorter than the tokens): the data and the store are "
                              "misaligned")
+        if isinstance(teacher, SampledTeacher):  # ids and counts: nothing non-finite
+            return teacher.map(lambda t: t[:, :-1][keep])
         # a stored row's largest log-probability (the ghost's included) is NaN or +inf
         top = torch.maximum(teacher.logprobs[:, :-1].amax(-1), teacher.rest_logprob[:, :-1])
         self._check_teacher(torch.isnan(top) | (top == float("inf")), keep, inputs,
@@ -379,14 +383,16 @@ def _full_kl(options: KDOptions) -> KDOptions:
 
 
 def check_setup(*, k, top_p, temperature, widths: dict[str, int], tokenizer=None, store=None,
-                teacher_tokenizer=None) -> int:
+                teacher_tokenizer=None, divergence=None, normalize="full") -> int:
     """What can be checked before any batch: the settings against the teacher (its store,
     or the two models' output rows ``widths`` and their tokenizers). :class:`KDTrainer` runs
     it at construction; ``topkd distill`` from the models' configs, before loading them.
     Returns the vocabulary the distributions live on."""
+    if store is not None and getattr(store, "kind", "topk") == "sampled":
+        _sampled_store_settings(store, k, top_p, divergence, normalize)
+    elif store is not None and k is not None and k != store.k:
+        raise ValueError(f"k={k} but the store {store.path} keeps k={store.k}")
     if store is not None:
-        if k is not None and k != store.k:
-            raise ValueError(f"k={k} but the store {store.path} keeps k={store.k}")
         if temperature is not None and temperature != store.temperature:
             raise ValueError(f"temperature={temperature} but the store {store.path} was built "
                              f"at temperature={store.temperature}")
@@ -408,6 +414,21 @@ def check_setup(*, k, top_p, temperature, widths: dict[str, int], tokenizer=None
     if k is not None and k > vocab:
         raise ValueError(f"k={k} is larger than the vocabulary ({vocab} tokens)")
     return vocab
+
+
+def _sampled_store_settings(store, k, top_p, divergence, normalize) -> None:
+    """A store of sampled rows (RS-KD) trains forward KL only, without top-K settings."""
+    where = f"the store {store.path} holds {store.samples} sampled tokens per row"
+    if k is not None:
+        raise ValueError(f"k={k} applies to top-K teachers but {where}; leave k unset")
+    if top_p is not None:
+        raise ValueError(f"top_p={top_p} applies to top-K teachers but {where}")
+    if normalize != "full":
+        raise ValueError(f"normalize={normalize!r} applies to top-K teachers but {where}")
+    if divergence is not None and not isinstance(divergences.resolve(divergence),
+                                                 divergences.KL):
+        raise ValueError(f"divergence={divergence!r} cannot be estimated without bias from "
+                         f"sampled tokens ({where}); only forward KL (divergence='kl') can")
 
 
 def _first_item(dataset):
@@ -451,12 +472,13 @@ def _check_learnable(dataset, collator) -> None:
 
 def _open_store(store):
     from ..store import TeacherStore
+    from ..store.rows import TeacherRows
 
-    if isinstance(store, TeacherStore):
+    if isinstance(store, (TeacherStore, TeacherRows)):
         return store
     if isinstance(store, (str, os.PathLike)):
         return TeacherStore(store)
-    raise TypeError(f"store must be a topkd.store.TeacherStore or a path, got "
+    raise TypeError(f"store must be a topkd.store.TeacherStore (or TeacherRows) or a path, got "
                     f"{type(store).__name__}")
 
 
