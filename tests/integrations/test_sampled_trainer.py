@@ -1,0 +1,99 @@
+"""KDTrainer from sampled teacher rows (RS-KD): the loss equals the float64 sampled loss on
+the same rows, fused and unfused; a step trains; settings that cannot apply are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import hf_worker  # noqa: E402
+import reference as ref  # noqa: E402
+
+import topkd  # noqa: E402
+from topkd.hf import KDTrainer  # noqa: E402
+from topkd.store.rows import TeacherRows, collate_sampled, sampled_row_bytes, trimmed  # noqa: E402
+
+N = 12
+
+
+def sampled_rows(teacher, data, seed=0):
+    rows, tokens = {}, {}
+    for i, item in enumerate(data):
+        ids = torch.tensor(item["input_ids"])
+        with torch.no_grad():
+            logits = teacher(input_ids=ids[None]).logits.float()
+        drawn = topkd.sample_teacher(logits, N, seed=seed, sample_ids=[f"s{i}"])
+        rows[f"s{i}"] = trimmed(drawn.map(lambda t: t[0]))
+        tokens[f"s{i}"] = ids
+    return TeacherRows(rows, tokens)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    data = hf_worker.items()
+    store = sampled_rows(hf_worker.teacher(), data)
+    stored = [{**item, "sample_id": f"s{i}"} for i, item in enumerate(data)]
+    return data, store, stored
+
+
+def reference(student, store, data):
+    """float64: the sampled loss summed over the learned rows of each item, over their count."""
+    total, count = 0.0, 0
+    for i, item in enumerate(data):
+        ids = torch.tensor(item["input_ids"])
+        keep = torch.tensor(item["labels"])[1:] != -100
+        with torch.no_grad():
+            logits = student.double()(input_ids=ids[None]).logits[0, :-1][keep]
+        student.float()
+        rows = store.get(f"s{i}")
+        total += float(ref.sampled_loss(logits, rows.indices[:-1][keep], rows.counts[:-1][keep],
+                                        N, logq=rows.logprobs[:-1][keep], reduction="sum"))
+        count += int(keep.sum())
+    return total / count
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_sampled_rows_give_the_reference_loss(setup, tmp_path, fused):
+    data, store, stored = setup
+    trainer = KDTrainer(model=hf_worker.student(), store=store,
+                        args=hf_worker.config(tmp_path, fused=fused, impl="eager"))
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model,
+                                    trainer._prepare_inputs(trainer.data_collator(stored)))
+    assert float(loss) == pytest.approx(reference(hf_worker.student(), store, data), rel=1e-5)
+    # one step through the dataloader, collator and accumulation
+    trainer = KDTrainer(model=hf_worker.student(), store=store, train_dataset=stored,
+                        args=hf_worker.config(tmp_path / "step", fused=fused, impl="eager",
+                                              per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=2))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(),
+                                                      strict=True))
+
+
+@pytest.mark.parametrize("setting,match", [(dict(k=8), "k=8"), (dict(top_p=0.9), "top_p"),
+                                           (dict(divergence="jsd"), "divergence"),
+                                           (dict(normalize="topk"), "normalize")])
+def test_sampled_rows_refuse_top_k_settings(setup, tmp_path, setting, match):
+    _, store, _ = setup
+    with pytest.raises(ValueError, match=match):
+        KDTrainer(model=hf_worker.student(), store=store,
+                  args=hf_worker.config(tmp_path, **setting))
+
+
+def test_collate_and_bytes(setup):
+    _, store, _ = setup
+    a, b = store.get("s0"), store.get("s3")
+    batch = collate_sampled([a, b])
+    length = max(a.indices.shape[0], b.indices.shape[0])
+    assert batch.indices.shape == (2, length, max(a.k, b.k))
+    assert batch.mask.sum() == a.indices.shape[0] + b.indices.shape[0]
+    assert torch.equal(batch.counts[~batch.mask], torch.zeros_like(batch.counts[~batch.mask]))
+    assert torch.equal(batch.counts.sum(-1)[batch.mask],
+                       torch.full((int(batch.mask.sum()),), N, dtype=batch.counts.dtype))
+    entries = int((a.counts > 0).sum())
+    assert sampled_row_bytes(a) == entries * 5 + a.indices.shape[0] * 5
