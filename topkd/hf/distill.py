@@ -127,8 +127,11 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
                              f"store's; use its setting")
         if teacher is not None:
             _same_teacher(opened, teacher)
+    from .trainer import divergence_of
+
     _check_configs(student, None if store is not None else teacher, opened, tokenizer,
-                   teacher_tokenizer, k=k, top_p=top_p, temperature=temperature)
+                   teacher_tokenizer, k=k, top_p=top_p, temperature=temperature,
+                   divergence=divergence_of(divergence, beta, alpha))
 
     settings = {
         "student": os.path.abspath(student), "data": os.path.abspath(data),
@@ -336,7 +339,7 @@ def _same_teacher(store, teacher: str) -> None:
 
 
 def _check_configs(student, teacher, store, tokenizer, teacher_tokenizer, *, k, top_p,
-                   temperature) -> None:
+                   temperature, divergence=None) -> None:
     """The settings against the models' configs (their output rows) and tokenizers, and the
     store's manifest, before any model is loaded: what KDTrainer would find at construction or
     at the first step, found in a second."""
@@ -352,7 +355,7 @@ def _check_configs(student, teacher, store, tokenizer, teacher_tokenizer, *, k, 
     if teacher is not None:
         widths["teacher"] = rows(teacher)
     check_setup(k=k, top_p=top_p, temperature=temperature, widths=widths, tokenizer=tokenizer,
-                store=store, teacher_tokenizer=teacher_tokenizer)
+                store=store, teacher_tokenizer=teacher_tokenizer, divergence=divergence)
 
 
 def _embeddings(model) -> int:

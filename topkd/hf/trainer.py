@@ -71,15 +71,7 @@ class KDConfig(TrainingArguments):
 
     def kd_divergence(self) -> divergences.Divergence:
         """The :class:`topkd.Divergence` these settings name."""
-        name = self.divergence
-        if isinstance(name, divergences.Divergence):
-            return name
-        if name == "jsd":
-            return divergences.JSD(beta=self.beta)
-        if name in ("skew_kl", "skew_reverse_kl"):
-            cls = divergences.SkewKL if name == "skew_kl" else divergences.SkewReverseKL
-            return cls(alpha=self.alpha)
-        return divergences.resolve(name)
+        return divergence_of(self.divergence, self.beta, self.alpha)
 
     def kd_options(self) -> KDOptions:
         """The loss options these settings give (checked: a ValueError or TypeError naming
@@ -414,6 +406,19 @@ def check_setup(*, k, top_p, temperature, widths: dict[str, int], tokenizer=None
     if k is not None and k > vocab:
         raise ValueError(f"k={k} is larger than the vocabulary ({vocab} tokens)")
     return vocab
+
+
+def divergence_of(name, beta: float, alpha: float) -> divergences.Divergence:
+    """The :class:`topkd.Divergence` a name (or object) and JSD's ``beta`` / the skews'
+    ``alpha`` give (``KDConfig``'s and ``topkd distill``'s settings)."""
+    if isinstance(name, divergences.Divergence):
+        return name
+    if name == "jsd":
+        return divergences.JSD(beta=beta)
+    if name in ("skew_kl", "skew_reverse_kl"):
+        cls = divergences.SkewKL if name == "skew_kl" else divergences.SkewReverseKL
+        return cls(alpha=alpha)
+    return divergences.resolve(name)
 
 
 def _sampled_store_settings(store, k, top_p, divergence, normalize) -> None:
