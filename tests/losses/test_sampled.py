@@ -140,7 +140,7 @@ def test_sampled_loss_chunks_and_components():
     torch.testing.assert_close(a.loss, a.kd + 0.5 * a.ce)
 
 
-@pytest.mark.parametrize("reduction", ["none", "sum"])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 def test_fused_sampled_matches_reference(reduction):
     d = kd_inputs(lead=(3, 5), v=64)
     st = sample_teacher(d["t"], N, seed=4, temperature=1.3)
