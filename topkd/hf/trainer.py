@@ -45,6 +45,8 @@ class KDConfig(TrainingArguments):
     The loss is ``kd_weight * KD + ce_weight * CE`` summed over the tokens learned and divided
     by their count over the whole optimizer step (all micro-batches, all ranks).
     ``remove_unused_columns`` defaults to False here: the teacher's keys must reach the batch.
+    ``padding_free`` packs each batch into one row (:class:`~topkd.hf.KDCollator`'s
+    ``padding_free``).
     """
 
     k: int | None = field(default=None, metadata={"help": "teacher entries kept per row "
@@ -111,6 +113,12 @@ class KDTrainer(Trainer):
     :class:`~topkd.store.TeacherStore` or its path, and items carrying ``sample_id``.
     Dataset items: ``input_ids``, optionally ``attention_mask`` and ``labels`` (see
     :class:`~topkd.hf.KDCollator` for the alignment rule).
+
+    Packed batches (``position_ids`` restarting mid-row: ``padding_free=True``, or
+    ``transformers.DataCollatorWithFlattening``): both models get the ``position_ids`` and no
+    attention mask, no row learns the next sequence's first token, and each model's attention
+    is checked once to keep the sequences apart (a ValueError names an implementation that
+    does not; ``sdpa`` and ``eager`` do).
 
     With ``fused=True`` (default) the student's final hidden states and its output embeddings
     enter the fused loss, and the teacher enters as its ``(hidden, weight)`` pair: neither
