@@ -32,7 +32,7 @@ from topkd.hf import KDCollator, KDTrainer  # noqa: E402
 AttentionInterface.register("causal_only", sdpa_attention_forward)
 
 K = 8
-RTOL = 1e-6  # packed vs padded, per sequence (float32; measured below 2e-7)
+RTOL = 1e-6  # packed vs padded, per sequence (float32; measured up to 5.1e-7)
 
 
 def trainer_for(tmp_path, student, teacher=None, **options):
