@@ -351,7 +351,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
         device = torch.device(device)
         return _build(teacher_dir, data, out, k=k, top_p=top_p, top_p_min_k=top_p_min_k,
                       temperature=temperature, batch_size=batch_size, max_length=max_length,
-                      padding_free=padding_free, logprob_dtype=logprob_dtype, text_field=text_field, id_field=id_field,
+                      padding_free=padding_free, logprob_dtype=logprob_dtype,
+                      text_field=text_field, id_field=id_field,
                       ids_field=ids_field, dtype=dtype, device=device, shard_bytes=shard_bytes,
                       store_tokens=store_tokens, progress=progress, rank=rank, world=world,
                       start=start)
