@@ -148,19 +148,30 @@ def test_no_row_is_trained_on_the_next_sequences_first_token(tmp_path, fused):
 # -- 3. a training step ----------------------------------------------------------------------
 
 
-def test_a_padding_free_step_equals_the_padded_step(tmp_path):
-    """KDConfig(padding_free=True): one SGD step over 2 accumulated micro-batches moves the
-    parameters as the padded run does, and logs the same KD."""
-    runs = {}
-    for packed in (False, True):
-        model = hf_worker.student()
-        trainer = trainer_for(tmp_path / str(packed), model, hf_worker.teacher(),
-                              padding_free=packed, ce_weight=0.5, train_dataset=hf_worker.items(),
-                              per_device_train_batch_size=2, gradient_accumulation_steps=2)
-        trainer.train()
-        kd = [entry["kd"] for entry in trainer.state.log_history if "kd" in entry]
-        runs[packed] = ({n: p.detach().clone() for n, p in model.named_parameters()}, kd)
-    (padded, kd_padded), (packed, kd_packed) = runs[False], runs[True]
+def one_step(tmp_path, **options):
+    """One SGD step over 2 accumulated micro-batches of 2: ``(parameters, logged kd)``."""
+    model = hf_worker.student()
+    trainer = trainer_for(tmp_path, model, hf_worker.teacher(), ce_weight=0.5,
+                          train_dataset=hf_worker.items(), per_device_train_batch_size=2,
+                          gradient_accumulation_steps=2, **options)
+    trainer.train()
+    kd = [entry["kd"] for entry in trainer.state.log_history if "kd" in entry]
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, kd
+
+
+@pytest.fixture(scope="module")
+def padded_step(tmp_path_factory):
+    return one_step(tmp_path_factory.mktemp("padded"))
+
+
+@pytest.mark.parametrize("how", ["padding_free", "flattening"])
+def test_a_packed_step_equals_the_padded_step(padded_step, tmp_path, how):
+    """KDConfig(padding_free=True), or DataCollatorWithFlattening given as the collator: the
+    step moves the parameters as the padded run does, and logs the same KD."""
+    options = ({"padding_free": True} if how == "padding_free"
+               else {"data_collator": DataCollatorWithFlattening()})
+    packed, kd_packed = one_step(tmp_path, **options)
+    padded, kd_padded = padded_step
     before = {n: p.detach() for n, p in hf_worker.student().named_parameters()}
     update = max(float((padded[n] - before[n]).abs().max()) for n in padded)
     diff = max(float((packed[n] - padded[n]).abs().max()) for n in padded)
