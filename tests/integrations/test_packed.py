@@ -120,6 +120,30 @@ def test_a_mask_of_ones_beside_packed_positions_is_dropped(tmp_path):
             assert float(got.ce) == pytest.approx(float(padded.ce), rel=RTOL)
 
 
+def test_left_padded_rows_with_position_ids_are_not_packing(tmp_path):
+    """Left-padded rows whose position_ids are the mask's cumulative sum (as for generation;
+    the padding's positions restart) keep their mask and train as right-padded rows do."""
+    data = hf_worker.items()
+    trainer = trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(), ce_weight=0.5)
+    right = KDCollator()(data)
+    length = right["input_ids"].shape[1]
+    left = {key: torch.zeros_like(value) for key, value in right.items()}
+    left["labels"].fill_(-100)
+    for b, item in enumerate(data):
+        n = len(item["input_ids"])
+        for key in ("input_ids", "attention_mask", "labels"):
+            left[key][b, length - n:] = right[key][b, :n]
+        left["labels"][b, length - n] = -100  # (no row predicts a first token)
+    left["position_ids"] = (left["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    left["position_ids"].masked_fill_(left["attention_mask"] == 0, 1)
+    with torch.no_grad():
+        want = trainer._parts(trainer.model, right, 0.5)
+        got = trainer._parts(trainer.model, left, 0.5)
+    assert got.tokens == want.tokens
+    assert float(got.kd) == pytest.approx(float(want.kd), rel=1e-5)
+    assert float(got.ce) == pytest.approx(float(want.ce), rel=1e-5)
+
+
 # -- 2. the shift never crosses a boundary ---------------------------------------------------
 
 

@@ -59,12 +59,15 @@ class Layout:
             raise ValueError(f"the batch's position_ids have shape {tuple(position_ids.shape)}, "
                              f"its input_ids {tuple(input_ids.shape)}: they must be equal")
         starts = sequence_starts(position_ids)
-        if not bool(starts[:, 1:].any()):
+        real = None if attention is None else attention.bool()
+        restarts = starts[:, 1:]
+        if real is not None:  # (padding's positions say nothing: left padding is not packing)
+            restarts = restarts & real[:, 1:] & real[:, :-1]
+        if not bool(restarts.any()):
             return  # one sequence per row: the position_ids go to the models as they are
         self.packed = True
         crossing = starts[:, 1:]
-        if attention is not None:
-            real = attention.bool()
+        if real is not None:
             if not bool(real.all()):
                 # padding after a row's last sequence is harmless without a mask (causal
                 # attention never looks ahead); anything else is not
