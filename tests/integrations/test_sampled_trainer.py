@@ -97,3 +97,28 @@ def test_collate_and_bytes(setup):
                        torch.full((int(batch.mask.sum()),), N, dtype=batch.counts.dtype))
     entries = int((a.counts > 0).sum())
     assert sampled_row_bytes(a) == entries * 5 + a.indices.shape[0] * 5
+
+
+def test_packed_batches_give_the_padded_loss(setup, tmp_path):
+    """KDCollator(padding_free=True) with sampled rows: each sequence's rows where its tokens
+    lie, and the padded batch's loss."""
+    from topkd.hf import KDCollator
+
+    data, store, stored = setup
+    batch = KDCollator(store=store, padding_free=True)(stored)
+    start = 0
+    for i, item in enumerate(data):
+        n, want = len(item["input_ids"]), store.get(f"s{i}")
+        got = batch["teacher"]
+        assert torch.equal(got.indices[0, start:start + n, :want.k], want.indices)
+        assert torch.equal(got.counts[0, start:start + n, :want.k], want.counts)
+        start += n
+    losses = []
+    for packed in (False, True):
+        trainer = KDTrainer(model=hf_worker.student(), store=store,
+                            args=hf_worker.config(tmp_path / str(packed), padding_free=packed,
+                                                  impl="eager"))
+        with torch.no_grad():
+            losses.append(float(trainer.compute_loss(trainer.model,
+                                                     trainer.data_collator(stored))))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)

@@ -52,16 +52,36 @@ def collate_sampled(teachers, *, pad_to: int | None = None, samples: int | None 
     return SampledTeacher(indices, counts, samples, temperature, vocab_size, logq, mask)
 
 
-def collate_any(teachers, *, pad_to=None, k=None, vocab_size=None, temperature=None):
-    """:func:`collate_sampled` for sampled rows, else the top-K rows' ``collate_teachers``."""
+def collate_any(teachers, *, pad_to=None, k=None, vocab_size=None, temperature=None,
+                samples=None):
+    """:func:`collate_sampled` for sampled rows (or, with none, when ``samples`` is given),
+    else the top-K rows' ``collate_teachers``."""
     from .reader import collate_teachers
 
     teachers = list(teachers)
-    if teachers and isinstance(teachers[0], SampledTeacher):
-        return collate_sampled(teachers, pad_to=pad_to, vocab_size=vocab_size,
-                               temperature=temperature)
+    if (teachers and isinstance(teachers[0], SampledTeacher)) or (not teachers and samples):
+        return collate_sampled(teachers, pad_to=pad_to, samples=samples,
+                               vocab_size=vocab_size, temperature=temperature)
     return collate_teachers(teachers, pad_to=pad_to, k=k, vocab_size=vocab_size,
                             temperature=temperature)
+
+
+def join_sampled(teachers) -> SampledTeacher:
+    """Sequences' sampled rows ``[L_i, S_i]`` end to end as one ``[sum L_i, S]`` (a packed
+    row), ``S`` the widest."""
+    teachers = list(teachers)
+    width = max(t.k for t in teachers)
+
+    def cat(name, fill):
+        parts = [getattr(t, name) for t in teachers]
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=fill)
+                          for p in parts])
+
+    first = teachers[0]
+    with_logq = all(t.logprobs is not None for t in teachers)
+    return SampledTeacher(cat("indices", -1), cat("counts", 0), first.samples,
+                          first.temperature, first.vocab_size,
+                          cat("logprobs", float("-inf")) if with_logq else None)
 
 
 def trimmed(teacher: SampledTeacher) -> SampledTeacher:
