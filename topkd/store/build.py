@@ -19,7 +19,7 @@ import torch
 from .. import _checks
 from ..select import select_topk
 from ..teacher import SparseTeacher
-from . import format as fmt
+from .writer import writer_codec
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -281,7 +281,8 @@ class _Progress:
 
 def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
                 top_p_min_k: int = 1, temperature: float = 1.0, batch_size: int = 8,
-                max_length: int | None = None, logprob_dtype: str = "float16",
+                max_length: int | None = None, codec: str | None = None,
+                logprob_dtype: str | None = None,
                 text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
                 dtype="auto", device=None, shard_bytes: int = 256 * 2**20,
                 store_tokens: bool = True, progress: bool = True) -> dict:
@@ -295,7 +296,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
         k, top_p, top_p_min_k, temperature: :func:`topkd.select_topk`'s settings.
         batch_size: sequences per forward pass (right-padded with an attention mask).
         max_length: truncate every sequence (text or given ids) to this many tokens.
-        logprob_dtype: the store's dtype for kept log-probs.
+        codec, logprob_dtype: how the rows are stored, as :class:`TeacherStoreWriter` takes
+            them (default: ``"compact"``; ``"exact"`` for lossless log-probs).
         text_field, id_field, ids_field: the field names of JSON Lines / Parquet samples.
         dtype: the teacher's weights: ``"auto"`` (the checkpoint's), ``"float32"``,
             ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``. The logits stay in the model's
@@ -318,8 +320,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
     batch_size = _checks.integer("batch_size", batch_size, 1)
     if max_length is not None:
         max_length = _checks.integer("max_length", max_length, 1)
-    _checks.choice("logprob_dtype", logprob_dtype, tuple(fmt.LOGPROB_DTYPES))
     # (what the writer checks again, checked here before a model is loaded)
+    writer_codec(codec, logprob_dtype)
     _checks.temperature(temperature)
     _checks.top_p(top_p, top_p_min_k)
     _checks.integer("shard_bytes", shard_bytes, 1)
@@ -342,7 +344,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
         device = torch.device(device)
         return _build(teacher_dir, data, out, k=k, top_p=top_p, top_p_min_k=top_p_min_k,
                       temperature=temperature, batch_size=batch_size, max_length=max_length,
-                      logprob_dtype=logprob_dtype, text_field=text_field, id_field=id_field,
+                      codec=codec, logprob_dtype=logprob_dtype, text_field=text_field,
+                      id_field=id_field,
                       ids_field=ids_field, dtype=dtype, device=device, shard_bytes=shard_bytes,
                       store_tokens=store_tokens, progress=progress, rank=rank, world=world,
                       start=start)
@@ -354,7 +357,7 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
 
 
 def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_size,
-           max_length, logprob_dtype, text_field, id_field, ids_field, dtype, device,
+           max_length, codec, logprob_dtype, text_field, id_field, ids_field, dtype, device,
            shard_bytes, store_tokens, progress, rank, world, start) -> dict:
     from . import tokenizer_fingerprint
     from .writer import TeacherStoreWriter
@@ -378,7 +381,7 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
 
     writer = TeacherStoreWriter(
         out, k=k, vocab_size=vocab, top_p=top_p, top_p_min_k=top_p_min_k,
-        temperature=temperature, logprob_dtype=logprob_dtype,
+        temperature=temperature, codec=codec, logprob_dtype=logprob_dtype,
         tokenizer_fingerprint=None if tokenizer is None else tokenizer_fingerprint(tokenizer),
         store_tokens=store_tokens, metadata=metadata, match_metadata=RESUME_METADATA,
         shard_bytes=shard_bytes)

@@ -94,6 +94,17 @@ class TeacherStore:
         """Token rows stored, over all sequences."""
         return sum(self._shard(n).seq_rows[-1] for n in range(len(self.files)))
 
+    def num_entries(self) -> int:
+        """Kept entries stored, over all token rows (K per row, fewer in rows top-p cut)."""
+        total = 0
+        for number in range(len(self.files)):
+            shard = self._shard(number)
+            if shard.has_counts:
+                total += int(shard.slices["counts"][:].sum())
+            else:
+                total += shard.seq_rows[-1] * self.k
+        return total
+
     # -- reading -----------------------------------------------------------------------------
 
     def _shard(self, number: int) -> Shard:

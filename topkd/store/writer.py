@@ -13,7 +13,7 @@ import torch
 
 from .. import _checks
 from ..teacher import SparseTeacher
-from . import codec
+from . import codec as row_codec
 from . import format as fmt
 from .shard import read_shard_ids
 
@@ -70,7 +70,7 @@ class TeacherStoreWriter:
         k = _checks.integer("k", k, 1, vocab_size)
         temperature = _checks.temperature(temperature)
         top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
-        codec, logprob_dtype = _codec(codec, logprob_dtype)
+        codec_name, logprob_dtype = writer_codec(codec, logprob_dtype)
         if tokenizer_fingerprint is not None and not isinstance(tokenizer_fingerprint, str):
             raise TypeError(f"tokenizer_fingerprint must be a str or None, got "
                             f"{type(tokenizer_fingerprint).__name__}")
@@ -88,8 +88,8 @@ class TeacherStoreWriter:
 
         self.path = os.fspath(path)
         os.makedirs(self.path, exist_ok=True)
-        self.settings = {"kind": "topk", "codec": codec, "vocab_size": vocab_size, "k": k, "top_p": top_p,
-                         "top_p_min_k": top_p_min_k, "temperature": temperature,
+        self.settings = {"kind": "topk", "codec": codec_name, "vocab_size": vocab_size, "k": k,
+                         "top_p": top_p, "top_p_min_k": top_p_min_k, "temperature": temperature,
                          "logprob_dtype": logprob_dtype,
                          "tokenizer_fingerprint": tokenizer_fingerprint,
                          "store_tokens": store_tokens}
@@ -129,7 +129,7 @@ class TeacherStoreWriter:
             layout = {"format_version": fmt.FORMAT_VERSION,
                       "index_coding": "elias-fano, entries sorted by index within a row"}
             if self.settings["codec"] == "compact":
-                layout["logprob_step"] = codec.COMPACT_STEP
+                layout["logprob_step"] = row_codec.COMPACT_STEP
         manifest = {"format": fmt.FORMAT, **layout, **self.settings, "rest_dtype": "float32",
                     "token_hash": fmt.TOKEN_HASH, "metadata": metadata}
         if self.settings["store_tokens"]:
@@ -292,7 +292,7 @@ class TeacherStoreWriter:
             return {"indices": indices.to(torch.int32),
                     "logprobs": logprobs.to(self._logprob_dtype), "rest_logprob": rest,
                     "counts": counts}
-        payload, base, width = codec.encode(s["codec"], indices.numpy(), logprobs.numpy(),
+        payload, base, width = row_codec.encode(s["codec"], indices.numpy(), logprobs.numpy(),
                                             counts.numpy(), s["vocab_size"], s["k"])
         return {"payload": torch.from_numpy(payload), "row_base": torch.from_numpy(base),
                 "rest_logprob": rest, "counts": counts, "width": width}
@@ -372,7 +372,7 @@ class TeacherStoreWriter:
         self._close(bind=exc_type is None)
 
 
-def _codec(codec_name, logprob_dtype) -> tuple[str, str | None]:
+def writer_codec(codec_name, logprob_dtype) -> tuple[str, str | None]:
     """The writer's codec and log-prob dtype from what was given."""
     if codec_name is None:
         codec_name = "compact" if logprob_dtype is None else "plain"
