@@ -481,11 +481,14 @@ def test_duplicate_ids(tmp_path):
 # -- 7. crash safety -------------------------------------------------------------------------
 
 
-def test_writer_killed_mid_shard_resumes(tmp_path):
+@pytest.mark.parametrize("codec", ["plain", "exact"])
+def test_writer_killed_mid_shard_resumes(tmp_path, codec):
     path = str(tmp_path / "store")
-    count, shard_bytes = 400, 500  # a shard every two or three sequences
+    # a shard every two or three sequences
+    count, shard_bytes = 400, {"plain": 500, "exact": 250}[codec]
     child = subprocess.Popen(
-        [sys.executable, store_worker.__file__, "crash", path, str(count), str(shard_bytes)],
+        [sys.executable, store_worker.__file__, "crash", path, str(count), str(shard_bytes),
+         codec],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -515,7 +518,8 @@ def test_writer_killed_mid_shard_resumes(tmp_path):
     # the same name reopens (the dead writer's lock went with it) and resumes
     total = len(stored) + 7
     skipped = []
-    with TeacherStoreWriter(path, **store_worker.SETTINGS, shard_bytes=shard_bytes) as w:
+    with TeacherStoreWriter(path, **store_worker.CODEC_SETTINGS[codec],
+                            shard_bytes=shard_bytes) as w:
         assert not [n for n in os.listdir(path) if ".tmp-" in n and n.startswith(".shard-")]
         for number in range(total):
             sample_id = f"s{number}"

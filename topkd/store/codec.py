@@ -40,7 +40,7 @@ import numpy as np
 from . import bitpack
 
 CODECS = ("compact", "exact")
-COMPACT_STEP = 1.0 / 16
+COMPACT_STEP = 1.0 / 32
 MAX_STEPS = 2**24 - 2
 NEG_INF_FLAG = 0x40
 WIDTH_MASK = 0x3F
@@ -90,10 +90,11 @@ def _from_descending_key(keys: np.ndarray) -> np.ndarray:
 # -- encoding -----------------------------------------------------------------------------
 
 def encode(codec: str, indices: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
-           vocab_size: int, k: int):
+           vocab_size: int, k: int, step: float | None = None):
     """Encode one sequence's rows: ``indices`` / ``logprobs`` are the kept entries of every
     row, row after row (int64 / float32 ``[E]``, in any order within a row), ``counts`` the
-    entries per row ``[R]``. Returns ``(payload uint8, row_base [R] (float32 or int32),
+    entries per row ``[R]``; ``step`` the compact codec's (default :data:`COMPACT_STEP`).
+    Returns ``(payload uint8, row_base [R] (float32 or int32),
     width)``, ``width`` the sequence's code byte."""
     rows = len(counts)
     row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
@@ -107,7 +108,8 @@ def encode(codec: str, indices: np.ndarray, logprobs: np.ndarray, counts: np.nda
     if codec == "exact":
         codes, base, width = _exact_codes(logprobs, row_of, starts, rows)
     else:
-        codes, base, width = _compact_codes(logprobs, row_of, starts, rows)
+        codes, base, width = _compact_codes(logprobs, row_of, starts, rows,
+                                            COMPACT_STEP if step is None else step)
     fields = (codes.astype(np.uint64) << np.uint64(low)) | (indices & ((1 << low) - 1)).astype(
         np.uint64)
     return np.concatenate([unary, bitpack.pack(fields, (width & WIDTH_MASK) + low)]), base, width
@@ -134,18 +136,18 @@ def _exact_codes(logprobs, row_of, starts, rows):
     return codes, base.astype(np.uint32).view(np.int32), width
 
 
-def _compact_codes(logprobs, row_of, starts, rows):
+def _compact_codes(logprobs, row_of, starts, rows, step):
     values = logprobs.astype(np.float64)
     finite = np.isfinite(values)
     top = _row_reduce(np.maximum, np.where(finite, values, -np.inf), starts, rows, -np.inf)
     has_finite = np.isfinite(top)
     top = np.where(has_finite, top, 0.0)
-    steps = np.minimum(np.rint((top[row_of] - values) / COMPACT_STEP), MAX_STEPS)
+    steps = np.minimum(np.rint((top[row_of] - values) / step), MAX_STEPS)
     steps = np.where(finite, steps, 0).astype(np.int64)
     # the kept mass before and after rounding, relative to the row's largest entry
     before = np.bincount(row_of[finite], np.exp(values[finite] - top[row_of[finite]]),
                          minlength=rows)
-    after = np.bincount(row_of[finite], np.exp(-steps[finite] * COMPACT_STEP), minlength=rows)
+    after = np.bincount(row_of[finite], np.exp(-steps[finite] * step), minlength=rows)
     with np.errstate(divide="ignore"):
         base = np.where(has_finite, top + np.log(before) - np.log(after), 0.0)
     infinite = not bool(finite.all())
@@ -164,10 +166,11 @@ def _unary_offsets(rows: int, k: int, hv: int) -> np.ndarray:
 # -- decoding -----------------------------------------------------------------------------
 
 def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
-           counts: np.ndarray | None, vocab_size: int, k: int):
+           counts: np.ndarray | None, vocab_size: int, k: int, step: float | None = None):
     """Decode one sequence: ``(indices int64 [R, K], logprobs float32 [R, K])``, each row
     ordered by log-prob descending, ties by lower index; unused slots ``-1`` / ``-inf``.
-    ``counts`` None: every row keeps ``k`` entries. Raises ValueError when the payload does
+    ``counts`` None: every row keeps ``k`` entries; ``step``: the compact codec's step (the
+    manifest's ``logprob_step``; default :data:`COMPACT_STEP`). Raises ValueError when the payload does
     not hold what the row arrays say."""
     rows = len(row_base)
     full = counts is None
@@ -214,7 +217,8 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
         logprobs = _from_descending_key(out_codes.astype(np.uint32)
                                         + row_base.view(np.uint32)[:, None])
     else:
-        logprobs = row_base[:, None] - out_codes.astype(np.float32) * np.float32(COMPACT_STEP)
+        step = COMPACT_STEP if step is None else step
+        logprobs = row_base[:, None] - out_codes.astype(np.float32) * np.float32(step)
         if width & NEG_INF_FLAG:
             logprobs[out_codes == (1 << bits) - 1] = -math.inf
     if not full:

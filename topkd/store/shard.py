@@ -53,7 +53,7 @@ class Shard:
     def __init__(self, path: str, file: str, manifest: dict):
         self.file = os.path.join(path, file)
         self.k, self.vocab_size = manifest["k"], manifest["vocab_size"]
-        self.codec = manifest["codec"]
+        self.codec, self.step = manifest["codec"], manifest.get("logprob_step")
         self.v2 = manifest["format_version"] != fmt.PLAIN_VERSION
         sequence_tensors = fmt.SEQUENCE_TENSORS_V2 if self.v2 else fmt.SEQUENCE_TENSORS
         row_tensors = fmt.ROW_TENSORS_V2 if self.v2 else fmt.ROW_TENSORS
@@ -99,7 +99,7 @@ class Shard:
             counts = parts["counts"].numpy() if "counts" in parts else None
             indices, logprobs = codec.decode(self.codec, parts["payload"].numpy(),
                                              parts["row_base"].numpy(), self.seq_width[i],
-                                             counts, self.vocab_size, self.k)
+                                             counts, self.vocab_size, self.k, self.step)
             return torch.from_numpy(indices), torch.from_numpy(logprobs), rest
         return (*_plain_rows(parts, rest.shape[0], self.k), rest)
 

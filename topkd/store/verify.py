@@ -135,7 +135,8 @@ def _check_rows_v2(tensors, ids, manifest, bad) -> None:
             indices, logprobs = codec.decode(
                 manifest["codec"], tensors["payload"][starts[i]:starts[i + 1]].numpy(),
                 tensors["row_base"][r0:r1].numpy(), int(tensors["seq_width"][i]),
-                None if counts is None else counts[r0:r1].numpy(), vocab, k)
+                None if counts is None else counts[r0:r1].numpy(), vocab, k,
+                manifest.get("logprob_step"))
         except ValueError as e:
             raise bad(f"sample_id {sample_id!r}: {e}") from None
         used = indices >= 0
