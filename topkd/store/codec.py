@@ -148,7 +148,7 @@ def _compact_codes(logprobs, row_of, starts, rows, step):
     before = np.bincount(row_of[finite], np.exp(values[finite] - top[row_of[finite]]),
                          minlength=rows)
     after = np.bincount(row_of[finite], np.exp(-steps[finite] * step), minlength=rows)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # (rows without a finite entry)
         base = np.where(has_finite, top + np.log(before) - np.log(after), 0.0)
     infinite = not bool(finite.all())
     width = _width(steps.max(initial=0) + infinite)
@@ -170,8 +170,8 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     """Decode one sequence: ``(indices int64 [R, K], logprobs float32 [R, K])``, each row
     ordered by log-prob descending, ties by lower index; unused slots ``-1`` / ``-inf``.
     ``counts`` None: every row keeps ``k`` entries; ``step``: the compact codec's step (the
-    manifest's ``logprob_step``; default :data:`COMPACT_STEP`). Raises ValueError when the payload does
-    not hold what the row arrays say."""
+    manifest's ``logprob_step``; default :data:`COMPACT_STEP`). Raises ValueError when the
+    payload does not hold what the row arrays say."""
     rows = len(row_base)
     full = counts is None
     counts = np.full(rows, k, np.int64) if full else counts.astype(np.int64)
