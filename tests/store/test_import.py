@@ -127,7 +127,7 @@ def test_import_equals_a_direct_build(tmp_path, codec, capsys):
             writer.add(sample_id, tokens, topkd.select_topk(logits, K))
     a, b = TeacherStore(imported), TeacherStore(direct)
     assert a.manifest["codec"] == codec and verify_store(imported) == []
-    for sample_id, tokens, logits in sequences:
+    for sample_id, tokens, _ in sequences:
         got, want = a.get(sample_id, tokens), b.get(sample_id, tokens)
         assert torch.equal(a.tokens(sample_id), tokens)
         assert torch.equal(got.indices.sort(-1).values, want.indices.sort(-1).values)
