@@ -13,12 +13,16 @@ MAX_WIDTH = 57  # a field plus its bit shift (<= 7) fits the 64-bit word a read 
 
 def pack(values: np.ndarray, width: int) -> np.ndarray:
     """Pack each of ``values`` in ``width`` bits, back to back, least significant bit first;
-    uint8 bytes, the last one zero-padded."""
+    uint8 bytes, zero-padded to :func:`padded_bytes` (so that :func:`unpack` reads them in
+    place)."""
     values = np.asarray(values, dtype=np.uint64).reshape(-1)
     if values.size == 0 or width == 0:
         return np.zeros(0, np.uint8)
     bits = (values[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)
-    return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")
+    packed = np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")
+    out = np.zeros(padded_bytes(len(values), width), np.uint8)
+    out[: len(packed)] = packed
+    return out
 
 
 def unpack(data: np.ndarray, count: int, width: int) -> np.ndarray:
@@ -31,18 +35,28 @@ def unpack(data: np.ndarray, count: int, width: int) -> np.ndarray:
     word = np.uint32 if width <= 25 else np.uint64  # a field and its shift fit the word
     if count == 0 or width == 0:
         return np.zeros(count, word)
-    size = np.dtype(word).itemsize
     groups = (count + 7) // 8
-    padded = np.zeros(groups * width + size, np.uint8)
-    used = min(len(data), groups * width)
-    padded[:used] = data[:used]
+    padded = np.ascontiguousarray(data)
+    if len(padded) < padded_bytes(count, width):  # (the store's payloads carry the padding)
+        padded = np.zeros(padded_bytes(count, width), np.uint8)
+        padded[: min(len(data), len(padded))] = data[: len(padded)]
     out = np.empty((groups, 8), word)
+    little = _LITTLE[word]
     for j in range(8):
-        words = np.ndarray(shape=(groups,), dtype=np.dtype(word).newbyteorder("<"),
-                           buffer=padded, offset=(j * width) // 8, strides=(width,))
+        words = np.ndarray(shape=(groups,), dtype=little, buffer=padded,
+                           offset=(j * width) // 8, strides=(width,))
         np.right_shift(words, word((j * width) % 8), out=out[:, j])
     out &= word((1 << width) - 1)
     return out.reshape(-1)[:count]
+
+
+_LITTLE = {np.uint32: np.dtype("<u4"), np.uint64: np.dtype("<u8")}
+
+
+def padded_bytes(count: int, width: int) -> int:
+    """The bytes :func:`unpack` reads for ``count`` fields of ``width`` bits: whole groups of
+    8 fields plus one 8-byte word."""
+    return ((count + 7) // 8) * width + 8 if count and width else 0
 
 
 def pack_unary(positions: np.ndarray, total_bits: int) -> np.ndarray:

@@ -57,6 +57,7 @@ import os
 import re
 import zlib
 
+import numpy as np
 import torch
 
 FORMAT = "topkd-teacher-store"
@@ -152,9 +153,11 @@ def crc_parts_v2(tensors: dict, rows, starts, i: int) -> list:
 
 
 def crc(tensors) -> int:
+    """CRC-32 of the bytes of ``tensors`` (torch tensors or contiguous numpy arrays), in
+    order."""
     value = 0
     for t in tensors:
-        value = zlib.crc32(tensor_bytes(t), value)
+        value = zlib.crc32(t if isinstance(t, np.ndarray) else tensor_bytes(t), value)
     return value
 
 

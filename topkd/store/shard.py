@@ -7,6 +7,7 @@ import json
 import math
 import os
 
+import numpy as np
 import torch
 
 from . import codec
@@ -78,8 +79,11 @@ class Shard:
         self.seq_width = small["seq_width"].tolist() if self.v2 else None
         self.token_hash = small["token_hash"]
         self.crc = small["crc"].tolist()
-        self.slices = {name: self.handle.get_slice(name) for name in row_tensors
-                       if name in keys}
+        if self.v2:  # numpy views of the mapped file: a read slices without copying
+            self.slices = _mapped(self.file, [n for n in row_tensors if n in keys])
+        else:
+            self.slices = {name: self.handle.get_slice(name) for name in row_tensors
+                           if name in keys}
 
     def parts(self, i: int) -> dict:
         r0, r1 = self.seq_rows[i], self.seq_rows[i + 1]
@@ -94,17 +98,36 @@ class Shard:
         return parts
 
     def rows(self, parts: dict, i: int):
-        rest = parts["rest_logprob"].float()
         if self.v2:
-            counts = parts["counts"].numpy() if "counts" in parts else None
-            indices, logprobs = codec.decode(self.codec, parts["payload"].numpy(),
-                                             parts["row_base"].numpy(), self.seq_width[i],
-                                             counts, self.vocab_size, self.k, self.step)
+            indices, logprobs = codec.decode(self.codec, parts["payload"], parts["row_base"],
+                                             self.seq_width[i], parts.get("counts"),
+                                             self.vocab_size, self.k, self.step)
+            rest = torch.from_numpy(parts["rest_logprob"].copy())
             return torch.from_numpy(indices), torch.from_numpy(logprobs), rest
+        rest = parts["rest_logprob"].float()
         return (*_plain_rows(parts, rest.shape[0], self.k), rest)
 
     def tokens(self, i: int) -> torch.Tensor:
-        return self.slices[fmt.TOKENS][self.seq_rows[i]:self.seq_rows[i + 1]]
+        ids = self.slices[fmt.TOKENS][self.seq_rows[i]:self.seq_rows[i + 1]]
+        return torch.from_numpy(ids.copy()) if self.v2 else ids
+
+
+_NUMPY = {"U8": np.uint8, "I32": np.int32, "I64": np.int64, "F32": np.float32}
+
+
+def _mapped(file: str, names) -> dict:
+    """Read-only numpy views of a safetensors file's tensors ``names`` (1-D, as format-2 row
+    tensors are), over one memory map of the file; the header was checked by safetensors
+    when the shard was opened."""
+    mapped = np.memmap(file, dtype=np.uint8, mode="r")
+    size = int.from_bytes(mapped[:8].tobytes(), "little")
+    header = json.loads(mapped[8:8 + size].tobytes())
+    out = {}
+    for name in names:
+        entry = header[name]
+        begin, end = (8 + size + offset for offset in entry["data_offsets"])
+        out[name] = mapped[begin:end].view(_NUMPY[entry["dtype"]])
+    return out
 
 
 def _plain_rows(parts: dict, length: int, k: int):
