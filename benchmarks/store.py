@@ -467,7 +467,7 @@ def run_read(args, path) -> dict:
     modes = {}
     for mode, fn, verify in (("checked", checked, True), ("unchecked", unchecked, False),
                              ("collate", collate, True)):
-        times = []
+        times, cpu_times = [], []
         for run, order in enumerate(orders):
             # a fresh store object per run: its memory maps are new, so every sequence's pages
             # are touched for the first time in this process, as in one epoch of training
@@ -475,15 +475,18 @@ def run_read(args, path) -> dict:
             s.num_tokens()  # opens every shard, not timed
             if args.drop_cache:
                 _drop_cache(path)
-            a = time.perf_counter()
+            a, cpu = time.perf_counter(), time.process_time()
             fn(s, order)
             if run:  # run 0 is the warm-up (first calls), not counted
                 times.append(time.perf_counter() - a)
+                cpu_times.append(time.process_time() - cpu)
             del s
         median = statistics.median(times)
         seqs = count if mode != "collate" else (count // batch) * batch
         modes[mode] = {"times_s": times, "median_s": median, "sequences": seqs,
-                       "seq_per_s": seqs / median, "tokens_per_s": seqs * length / median}
+                       "seq_per_s": seqs / median, "tokens_per_s": seqs * length / median,
+                       "cpu_times_s": cpu_times,
+                       "cpu_tokens_per_s": seqs * length / min(cpu_times)}
         if mode == "collate":
             modes[mode]["batches_per_s"] = (count // batch) / median
     result["modes"] = modes
@@ -667,9 +670,10 @@ def format_table(saved) -> str:
     lines += ["",
               "| layout | top-p | kept / row | B / token | B / kept entry | "
               "write tok/s | write MB/s (median [min-max]) | read checked seq/s (tok/s) "
-              "[slowest-fastest run] | read unchecked seq/s (tok/s) [runs] | collate x"
+              "[slowest-fastest run] | read checked tok/s of CPU time | read unchecked seq/s "
+              "(tok/s) [runs] | collate x"
               + str(meta["batch"]) + " batches/s (tok/s) [runs] |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in stores:
         top_p = "-" if s["top_p"] is None else f"{s['top_p']:g}"
         layout = s["layout"] if s["layout"] in ("compact", "exact") else \
@@ -683,13 +687,14 @@ def format_table(saved) -> str:
             m = read["modes"]
             row += (f" {m['checked']['seq_per_s']:,.0f} ({_rate(m['checked']['tokens_per_s'])})"
                     f"{_rate_spread(m['checked'])} "
+                    f"| {_rate(m['checked'].get('cpu_tokens_per_s', float('nan')))} "
                     f"| {m['unchecked']['seq_per_s']:,.0f} "
                     f"({_rate(m['unchecked']['tokens_per_s'])}){_rate_spread(m['unchecked'])} "
                     f"| {m['collate']['batches_per_s']:,.0f} "
                     f"({_rate(m['collate']['tokens_per_s'])})"
                     f"{_rate_spread(m['collate'], batch=meta['batch'])} |")
         else:
-            row += f" {read.get('status', 'not run')} | - | - |"
+            row += f" {read.get('status', 'not run')} | - | - | - |"
         lines.append(row)
     seq_note = meta.get("read_seqs_per_run")
     lines += [
@@ -704,7 +709,9 @@ def format_table(saved) -> str:
         + (f", {seq_note:,} sequences per run" if seq_note else "")
         + ", median of the runs after an untimed warm-up run, each run on a new store object "
         "(new memory maps: first touch of every page in the process, as in one epoch; shards "
-        "opened before the clock): checked = store.get(id, "
+        "opened before the clock); tok/s of CPU time: the fastest run's tokens over the "
+        "process's CPU time (time.process_time), what a worker that has a core to itself "
+        "reads, on a busy machine too: checked = store.get(id, "
         "input_ids) (CRC-32 and token hash checked); unchecked = store.get(id) with "
         "verify_reads=False (nothing checked); "
         f"collate = store.collate of {meta['batch']} ids with their input_ids (checked) into "
