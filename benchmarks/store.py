@@ -1,20 +1,22 @@
 """Benchmark, teacher store section: ``python -m benchmarks store``.
 
-Measures :mod:`topkd.store` at K = 64, V = 248,320 (the default sizes), for each
-``logprob_dtype`` (bfloat16, float16, float32), without top-p and with ``top_p`` (0.95): a store
-is written by :class:`~topkd.store.TeacherStoreWriter` into a temporary directory and read back
-by :class:`~topkd.store.TeacherStore`. Each phase runs in its own fresh Python process:
+Measures :mod:`topkd.store` at K = 64, V = 151,936 (the default sizes), for each layout
+(``--layouts``: the codecs ``compact`` and ``exact`` of format 2, and the format-1 layout in a
+``logprob_dtype``: ``float16``, ``bfloat16``, ``float32``), without top-p and with ``top_p``
+(0.95): a store is written by :class:`~topkd.store.TeacherStoreWriter` into a temporary
+directory and read back by :class:`~topkd.store.TeacherStore`. Each phase runs in its own fresh
+Python process:
 
 * **teacher rows**: ``--pool`` distinct sequences of ``--seq-len`` rows are made once by
-  :func:`topkd.select_topk` over random bf16 teacher logits (``3 N(0, 1)`` plus 1-3 peaked
-  tokens per row at a logit drawn from U(12, 28), so that top-p cuts some rows short and keeps
-  all K in others). Making logits of 248,320 columns is slow on a small CPU, so the store's
-  ``--tokens`` rows reuse that pool under distinct sample ids and distinct random token ids
-  (the token hash differs per sequence); the selection is not timed.
-* **bytes per token**: the store's shard files over its token rows (the manifest, about 400 B
-  per store, is left out and given apart), next to the size target ``6 K + 16`` for 2-byte
-  log-probs (``8 K + 16`` for float32) and to the payload (``K x (4 + the log-prob's bytes)``
-  plus 4 for the ghost log-mass, plus 4 for the count in a top-p shard).
+  :func:`topkd.select_topk` over teacher logits of kind ``--rows``: ``lm`` (the default),
+  LM-like rows, Zipf by rank (logit ``-log r`` of the token of rank ``r``) in a random token
+  order per row; ``peaked``, bf16 ``3 N(0, 1)`` plus 1-3 peaked tokens per row at a logit drawn
+  from U(12, 28), so that top-p cuts some rows short and keeps all K in others. Making logits
+  of V columns is slow on a small CPU, so the store's ``--tokens`` rows reuse that pool under
+  distinct sample ids and distinct random token ids (the token hash differs per sequence); the
+  selection is not timed.
+* **bytes per token and per kept entry**: everything on disk (the shard files and the
+  manifest) over the token rows and over the kept entries.
 * **write**: tokens/s and MB/s (10^6 bytes of shard files per second) of the writer alone:
   its construction, ``add`` of every sequence, and ``close``, which fsyncs each shard and the
   directory (``write_durably``). Median over ``--write-runs`` writes (1), each into a fresh
@@ -32,11 +34,12 @@ by :class:`~topkd.store.TeacherStore`. Each phase runs in its own fresh Python p
   is mapped into the process for the first time, as in an epoch of training. A per-sequence
   breakdown of the checked read (token hash, safetensors slicing, CRC-32, building the
   ``SparseTeacher``) is timed apart.
-* **loss**: a batch of ``--loss-batch`` x ``--loss-seq-len`` rows at V: the student's logits
-  and the teacher's (bf16) in memory; ``topkd.topk_kl_loss(student, teacher_logits, K,
-  reduction="mean")`` online against ``topkd.sparse_kl_loss(student, batch,
-  reduction="mean")``, ``batch`` collated from a store of the same selection written in each
-  dtype; with and without top-p. float32 storage keeps the selection's values exactly.
+* **loss**: a batch of ``--loss-batch`` x ``--loss-seq-len`` rows at V, of LM-like teacher
+  logits and of random-normal ones (``N(0, 1)``), the student ``0.8 t + 1.2 N(0, 1)``, in
+  memory; ``topkd.topk_kl_loss(student, teacher_logits, K, reduction="mean")`` online against
+  ``topkd.sparse_kl_loss(student, batch, reduction="mean")``, ``batch`` collated from a store
+  of the same selection written in each layout; with and without top-p. The exact codec and
+  float32 keep the selection's values exactly.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import tempfile
 import time
 
 from . import harness
-from .harness import DTYPE_BYTES, DTYPES, MiB
+from .harness import DTYPES, MiB
 
 MB = 10**6
 PEAK_LOW, PEAK_HIGH = 12.0, 28.0  # peaked tokens' logits, uniform in [low, high)
@@ -91,6 +94,25 @@ def teacher_logits(rows, vocab, generator, student=False):
     return (other, teacher) if student else teacher
 
 
+LAYOUTS = ("compact", "exact") + tuple(DTYPES)
+ROW_KINDS = ("lm", "peaked")
+
+
+def writer_layout(layout: str) -> dict:
+    """The writer's keywords for a layout: a codec, or a format-1 log-prob dtype."""
+    return {"codec": layout} if layout in ("compact", "exact") else {"logprob_dtype": layout}
+
+
+def lm_logits(rows, vocab, generator):
+    """LM-like float32 ``[rows, V]``: Zipf by rank, logit ``-log r`` for the token of rank
+    ``r``, in a random token order per row."""
+    import torch
+
+    by_rank = -torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+    return torch.stack([by_rank[torch.randperm(vocab, generator=generator)]
+                        for _ in range(rows)])
+
+
 def sample_id(i: int) -> str:
     return f"sample-{i:09d}"
 
@@ -104,12 +126,12 @@ def input_ids(seed: int, i: int, length: int, vocab: int):
     return torch.randint(0, vocab, (length,), generator=g)
 
 
-def store_name(dtype: str, top_p) -> str:
-    return f"{dtype}-top_p{top_p:g}" if top_p is not None else dtype
+def store_name(layout: str, top_p) -> str:
+    return f"{layout}-top_p{top_p:g}" if top_p is not None else layout
 
 
 def store_configs(args):
-    return [(dtype, top_p) for dtype in args.dtypes for top_p in (None, args.top_p)]
+    return [(layout, top_p) for layout in args.layouts for top_p in (None, args.top_p)]
 
 
 def _shard_bytes_on_disk(path):
@@ -117,6 +139,12 @@ def _shard_bytes_on_disk(path):
 
     files = fmt.shard_files(path)
     return sum(os.path.getsize(os.path.join(path, f)) for f in files), len(files)
+
+
+def _entries(path, k):
+    from topkd.store import TeacherStore
+
+    return TeacherStore(path, k=k).num_entries()
 
 
 def _setup(args):
@@ -132,7 +160,7 @@ def _setup(args):
 # --------------------------------------------------------------------------------------------
 
 
-def _write_store(args, path, dtype, top_p, pool, sequences, ids_of):
+def _write_store(args, path, layout, top_p, pool, sequences, ids_of):
     """Write one store, timing the writer alone; returns the timings."""
     from topkd.store import TeacherStoreWriter
 
@@ -140,7 +168,7 @@ def _write_store(args, path, dtype, top_p, pool, sequences, ids_of):
     phase = {"adding": False}
     t0 = time.perf_counter()
     writer = TeacherStoreWriter(path, k=args.k, vocab_size=args.vocab, top_p=top_p,
-                                logprob_dtype=dtype, shard_bytes=args.shard_bytes,
+                                **writer_layout(layout), shard_bytes=args.shard_bytes,
                                 metadata={"benchmark": "benchmarks store"})
     flush = writer.flush
 
@@ -168,9 +196,9 @@ def _write_store(args, path, dtype, top_p, pool, sequences, ids_of):
     return timing
 
 
-def _write_breakdown(args, path, pool, ids_of):
-    """Time the parts of writing the store's first shard one by one (private internals of the
-    writer: may fail if they change; the benchmark reports that instead)."""
+def _write_breakdown(args, path, layout, pool, ids_of):
+    """Time the parts of writing a format-1 store's first shard one by one (private internals
+    of the writer: may fail if they change; the benchmark reports that instead)."""
     import torch
     from safetensors.torch import load_file, save
 
@@ -187,7 +215,7 @@ def _write_breakdown(args, path, pool, ids_of):
     os.makedirs(scratch, exist_ok=True)
     try:
         writer = TeacherStoreWriter(scratch, k=args.k, vocab_size=args.vocab,
-                                    logprob_dtype="bfloat16", name="breakdown")
+                                    logprob_dtype=layout, name="breakdown")
         try:
             a = time.perf_counter()
             for i in range(sequences):
@@ -256,7 +284,10 @@ def run_write(args) -> dict:
     kept = []
     for _ in range(args.pool):
         a = time.perf_counter()
-        logits = teacher_logits(args.seq_len, args.vocab, g)
+        if args.rows == "lm":
+            logits = lm_logits(args.seq_len, args.vocab, g)
+        else:
+            logits = teacher_logits(args.seq_len, args.vocab, g)
         b = time.perf_counter()
         pools[None].append(topkd.select_topk(logits, args.k))
         c = time.perf_counter()
@@ -279,19 +310,19 @@ def run_write(args) -> dict:
     sequences = max(1, args.tokens // args.seq_len)
     ids_of = [input_ids(args.seed, i, args.seq_len, args.vocab) for i in range(sequences)]
     # warm-up (imports, first calls), not timed: a small store of each kind
-    for dtype, top_p in store_configs(args):
-        path = os.path.join(args.root, f".warm-up-{store_name(dtype, top_p)}")
-        _write_store(args, path, dtype, top_p, pools[top_p], min(4, sequences), ids_of)
+    for layout, top_p in store_configs(args):
+        path = os.path.join(args.root, f".warm-up-{store_name(layout, top_p)}")
+        _write_store(args, path, layout, top_p, pools[top_p], min(4, sequences), ids_of)
         shutil.rmtree(path)
     stores = []
-    for dtype, top_p in store_configs(args):
-        name = store_name(dtype, top_p)
+    for layout, top_p in store_configs(args):
+        name = store_name(layout, top_p)
         final = os.path.join(args.root, name)
         runs = []
         for run in range(args.write_runs):
             path = final if run == args.write_runs - 1 else os.path.join(args.root,
                                                                           f".{name}-{run}")
-            timing = _write_store(args, path, dtype, top_p, pools[top_p], sequences, ids_of)
+            timing = _write_store(args, path, layout, top_p, pools[top_p], sequences, ids_of)
             nbytes, shards = _shard_bytes_on_disk(path)
             timing.update(bytes=nbytes, shards=shards)
             runs.append(timing)
@@ -301,21 +332,26 @@ def run_write(args) -> dict:
         times = [r["total_s"] for r in runs]
         median = statistics.median(times)
         nbytes = runs[-1]["bytes"]
-        entry = {"name": name, "path": final, "dtype": dtype, "top_p": top_p,
+        manifest_bytes = os.path.getsize(os.path.join(final, "manifest.json"))
+        entries = _entries(final, args.k)
+        entry = {"name": name, "path": final, "layout": layout, "top_p": top_p,
                  "sequences": sequences, "tokens": tokens, "bytes": nbytes,
-                 "manifest_bytes": os.path.getsize(os.path.join(final, "manifest.json")),
+                 "manifest_bytes": manifest_bytes, "entries": entries,
                  "shards": runs[-1]["shards"], "bytes_per_token": nbytes / tokens,
+                 "total_bytes_per_token": (nbytes + manifest_bytes) / tokens,
+                 "total_bytes_per_entry": (nbytes + manifest_bytes) / entries,
                  "kept_mean": args.k if top_p is None else float(kept.mean()),
                  "write_times_s": times, "write_median_s": median,
                  "write_tokens_per_s": tokens / median, "write_mb_per_s": nbytes / median / MB,
                  "write_runs": runs}
-        print(f"  wrote {name}: {nbytes / tokens:.1f} B/token, {tokens / median:,.0f} tokens/s, "
+        print(f"  wrote {name}: {entry['total_bytes_per_token']:.1f} B/token, "
+              f"{entry['total_bytes_per_entry']:.3f} B/entry, {tokens / median:,.0f} tokens/s, "
               f"{nbytes / median / MB:,.0f} MB/s", file=sys.stderr, flush=True)
         stores.append(entry)
-    first = next((s for s in stores if s["dtype"] == "bfloat16" and s["top_p"] is None),
-                 stores[0])
-    if first["top_p"] is None:
-        result["write_breakdown"] = _write_breakdown(args, first["path"], pools[None], ids_of)
+    first = next((s for s in stores if s["layout"] in DTYPES and s["top_p"] is None), None)
+    if first is not None:
+        result["write_breakdown"] = _write_breakdown(args, first["path"], first["layout"],
+                                                     pools[None], ids_of)
         result["write_breakdown"]["store"] = first["name"]
     result.update(status="ok", stores=stores)
     return result
@@ -361,11 +397,11 @@ def _read_breakdown(path, ids, tokens_of):
             a = time.perf_counter()
             ok = fmt.token_hash(tokens) == bytes(shard.token_hash[position].tolist())
             b = time.perf_counter()
-            sliced = shard.read(position)
+            sliced = shard.parts(position)
             c = time.perf_counter()
             ok &= fmt.crc(sliced.values()) == shard.crc[position]
             d = time.perf_counter()
-            store._teacher(sliced)
+            shard.rows(sliced, position)
             e = time.perf_counter()
             if not ok:
                 raise ValueError(f"{sid}: check failed")
@@ -431,7 +467,7 @@ def run_read(args, path) -> dict:
     modes = {}
     for mode, fn, verify in (("checked", checked, True), ("unchecked", unchecked, False),
                              ("collate", collate, True)):
-        times = []
+        times, cpu_times = [], []
         for run, order in enumerate(orders):
             # a fresh store object per run: its memory maps are new, so every sequence's pages
             # are touched for the first time in this process, as in one epoch of training
@@ -439,15 +475,18 @@ def run_read(args, path) -> dict:
             s.num_tokens()  # opens every shard, not timed
             if args.drop_cache:
                 _drop_cache(path)
-            a = time.perf_counter()
+            a, cpu = time.perf_counter(), time.process_time()
             fn(s, order)
             if run:  # run 0 is the warm-up (first calls), not counted
                 times.append(time.perf_counter() - a)
+                cpu_times.append(time.process_time() - cpu)
             del s
         median = statistics.median(times)
         seqs = count if mode != "collate" else (count // batch) * batch
         modes[mode] = {"times_s": times, "median_s": median, "sequences": seqs,
-                       "seq_per_s": seqs / median, "tokens_per_s": seqs * length / median}
+                       "seq_per_s": seqs / median, "tokens_per_s": seqs * length / median,
+                       "cpu_times_s": cpu_times,
+                       "cpu_tokens_per_s": seqs * length / min(cpu_times)}
         if mode == "collate":
             modes[mode]["batches_per_s"] = (count // batch) / median
     result["modes"] = modes
@@ -470,53 +509,62 @@ def run_loss(args) -> dict:
 
     b, length, v, k = args.loss_batch, args.loss_seq_len, args.vocab, args.k
     result = {"status": "error", "batch": b, "seq_len": length, "rows": b * length}
-    g = torch.Generator().manual_seed(args.seed + 7)
-    a = time.perf_counter()
-    student, teacher_flat = teacher_logits(b * length, v, g, student=True)
-    student, logits = student.reshape(b, length, v), teacher_flat.reshape(b, length, v)
-    result["make_s"] = time.perf_counter() - a
     ids = [sample_id(i) for i in range(b)]
     tokens = [input_ids(args.seed + 7, i, length, v) for i in range(b)]
     cases = []
-    with torch.no_grad():
-        for top_p in (None, args.top_p):
-            a = time.perf_counter()
-            online = float(topkd.topk_kl_loss(student, logits, k, top_p=top_p,
-                                              reduction="mean"))
-            online_s = time.perf_counter() - a
-            a = time.perf_counter()
-            teacher = topkd.select_topk(logits, k, top_p=top_p)
-            select_s = time.perf_counter() - a
-            in_memory = float(topkd.sparse_kl_loss(student, teacher, reduction="mean"))
-            for dtype in args.dtypes:
-                path = os.path.join(args.root, f"loss-{store_name(dtype, top_p)}")
-                with TeacherStoreWriter(path, k=k, vocab_size=v, top_p=top_p,
-                                        logprob_dtype=dtype) as writer:
-                    for i in range(b):
-                        writer.add(ids[i], tokens[i], SparseTeacher(
-                            teacher.indices[i], teacher.logprobs[i], teacher.rest_logprob[i],
-                            teacher.temperature, teacher.vocab_size))
-                batch = TeacherStore(path, k=k, vocab_size=v).collate(ids, input_ids=tokens)
+    for kind in ("lm", "normal"):
+        g = torch.Generator().manual_seed(args.seed + 7)
+        a = time.perf_counter()
+        if kind == "lm":
+            logits = lm_logits(b * length, v, g)
+        else:
+            logits = torch.randn(b * length, v, generator=g)
+        student = 0.8 * logits + 1.2 * torch.randn(b * length, v, generator=g)
+        student, logits = student.reshape(b, length, v), logits.reshape(b, length, v)
+        result[f"make_{kind}_s"] = time.perf_counter() - a
+        with torch.no_grad():
+            for top_p in (None, args.top_p):
                 a = time.perf_counter()
-                stored = float(topkd.sparse_kl_loss(student, batch, reduction="mean"))
-                stored_s = time.perf_counter() - a
-                used = teacher.indices >= 0
-                same_indices = bool(torch.equal(batch.indices, teacher.indices))
-                diff = (batch.logprobs[used] - teacher.logprobs[used]).abs()
-                prob_diff = (batch.logprobs[used].exp() - teacher.logprobs[used].exp()).abs()
-                cases.append({
-                    "dtype": dtype, "top_p": top_p, "online": online, "in_memory": in_memory,
-                    "stored": stored, "rel_diff": abs(stored - online) / abs(online),
-                    "rel_diff_in_memory": abs(in_memory - online) / abs(online),
-                    "max_logprob_diff": float(diff.max()),
-                    "max_prob_diff": float(prob_diff.max()),
-                    "same_indices": same_indices,
-                    "kept_mean": float(used.sum(-1).float().mean()),
-                    "online_s": online_s, "select_s": select_s, "stored_loss_s": stored_s,
-                })
-                shutil.rmtree(path)
-                print(f"  loss {store_name(dtype, top_p)}: rel diff "
-                      f"{cases[-1]['rel_diff']:.2e}", file=sys.stderr, flush=True)
+                online = float(topkd.topk_kl_loss(student, logits, k, top_p=top_p,
+                                                  reduction="mean"))
+                online_s = time.perf_counter() - a
+                teacher = topkd.select_topk(logits, k, top_p=top_p)
+                for layout in args.layouts:
+                    path = os.path.join(args.root, f"loss-{kind}-{store_name(layout, top_p)}")
+                    with TeacherStoreWriter(path, k=k, vocab_size=v, top_p=top_p,
+                                            **writer_layout(layout)) as writer:
+                        for i in range(b):
+                            writer.add(ids[i], tokens[i], SparseTeacher(
+                                teacher.indices[i], teacher.logprobs[i],
+                                teacher.rest_logprob[i], teacher.temperature,
+                                teacher.vocab_size))
+                    batch = TeacherStore(path, k=k, vocab_size=v).collate(ids,
+                                                                          input_ids=tokens)
+                    a = time.perf_counter()
+                    stored = float(topkd.sparse_kl_loss(student, batch, reduction="mean"))
+                    stored_s = time.perf_counter() - a
+                    used = teacher.indices >= 0
+                    same_indices = bool(torch.equal(batch.indices.sort(-1).values,
+                                                    teacher.indices.sort(-1).values))
+                    # entries paired by index (the codecs may reorder ties)
+                    order_a = batch.indices.clamp(min=0).argsort(-1)
+                    order_b = teacher.indices.clamp(min=0).argsort(-1)
+                    mine = batch.logprobs.gather(-1, order_a)[used.gather(-1, order_b)]
+                    theirs = teacher.logprobs.gather(-1, order_b)[used.gather(-1, order_b)]
+                    finite = torch.isfinite(theirs)
+                    diff = (mine[finite] - theirs[finite]).abs()
+                    cases.append({
+                        "rows": kind, "layout": layout, "top_p": top_p, "online": online,
+                        "stored": stored, "rel_diff": abs(stored - online) / abs(online),
+                        "max_logprob_diff": float(diff.max()),
+                        "same_indices": same_indices,
+                        "kept_mean": float(used.sum(-1).float().mean()),
+                        "online_s": online_s, "stored_loss_s": stored_s,
+                    })
+                    shutil.rmtree(path)
+                    print(f"  loss {kind} {store_name(layout, top_p)}: rel diff "
+                          f"{cases[-1]['rel_diff']:.2e}", file=sys.stderr, flush=True)
+        del student, logits, teacher
     result.update(status="ok", cases=cases)
     return result
 
@@ -587,15 +635,6 @@ def _rate_spread(mode, batch=1):
     return f" [{units / max(times):,.0f}-{units / min(times):,.0f}]"
 
 
-def _bound(dtype, k):
-    return (6 if DTYPE_BYTES[dtype] == 2 else 8) * k + 16
-
-
-def _payload(dtype, k, top_p, kept):
-    entry = 4 + DTYPE_BYTES[dtype]
-    return (kept if top_p is not None else k) * entry + 4 + (4 if top_p is not None else 0)
-
-
 def format_table(saved) -> str:
     meta, stores = saved["meta"], saved["results"]
     k = meta["k"]
@@ -613,10 +652,13 @@ def format_table(saved) -> str:
         lines += ["", load]
     pool = meta.get("pool")
     if pool:
+        made = ("LM-like logits (Zipf by rank, logit -log r, random token order per row)"
+                if meta.get("rows", "peaked") == "lm" else
+                f"bf16 logits 3 N(0, 1) + 1-3 peaked tokens per row at U({PEAK_LOW:g}, "
+                f"{PEAK_HIGH:g})")
         lines += ["", f"Teacher rows: a pool of {pool['sequences']} distinct sequences "
-                      f"({pool['rows']:,} rows) from topkd.select_topk over bf16 logits "
-                      f"3 N(0, 1) + 1-3 peaked tokens per row at U({PEAK_LOW:g}, "
-                      f"{PEAK_HIGH:g}) (per sequence: making the logits "
+                      f"({pool['rows']:,} rows) from topkd.select_topk over {made} "
+                      f"(per sequence: making the logits "
                       f"{pool['logits_s_per_seq']:.1f} s, select_topk "
                       f"{pool['select_s_per_seq']:.1f} s, with top-p "
                       f"{pool.get('select_top_p_s_per_seq', float('nan')):.1f} s; not timed), "
@@ -626,19 +668,18 @@ def format_table(saved) -> str:
                       f"{pool['top_p_kept_median']:.0f}; {100 * pool['top_p_rows_cut']:.0f}% of "
                       f"the rows keep fewer than K)."]
     lines += ["",
-              "| logprobs | top-p | kept / row | B / token on disk | payload | bound | "
+              "| layout | top-p | kept / row | B / token | B / kept entry | "
               "write tok/s | write MB/s (median [min-max]) | read checked seq/s (tok/s) "
-              "[slowest-fastest run] | read unchecked seq/s (tok/s) [runs] | collate x"
+              "[slowest-fastest run] | read checked tok/s of CPU time | read unchecked seq/s "
+              "(tok/s) [runs] | collate x"
               + str(meta["batch"]) + " batches/s (tok/s) [runs] |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in stores:
         top_p = "-" if s["top_p"] is None else f"{s['top_p']:g}"
-        bound = _bound(s["dtype"], k)
-        bpt = s["bytes_per_token"]
-        bound_text = f"{bound} ({'6' if DTYPE_BYTES[s['dtype']] == 2 else '8'}K+16)"
-        row = (f"| {s['dtype']} | {top_p} | {s['kept_mean']:.1f} | {bpt:.1f} "
-               f"| {_payload(s['dtype'], k, s['top_p'], s['kept_mean']):.1f} "
-               f"| {'<=' if bpt <= bound else '> (exceeded)'} {bound_text} "
+        layout = s["layout"] if s["layout"] in ("compact", "exact") else \
+            f"format 1, {s['layout']}"
+        row = (f"| {layout} | {top_p} | {s['entries'] / s['tokens']:.1f} "
+               f"| {s['total_bytes_per_token']:.1f} | {s['total_bytes_per_entry']:.3f} "
                f"| {_rate(s['write_tokens_per_s'])} | {s['write_mb_per_s']:,.0f}"
                f"{harness.spread(s['write_times_s'], ' s')} |")
         read = s.get("read") or {}
@@ -646,22 +687,21 @@ def format_table(saved) -> str:
             m = read["modes"]
             row += (f" {m['checked']['seq_per_s']:,.0f} ({_rate(m['checked']['tokens_per_s'])})"
                     f"{_rate_spread(m['checked'])} "
+                    f"| {_rate(m['checked'].get('cpu_tokens_per_s', float('nan')))} "
                     f"| {m['unchecked']['seq_per_s']:,.0f} "
                     f"({_rate(m['unchecked']['tokens_per_s'])}){_rate_spread(m['unchecked'])} "
                     f"| {m['collate']['batches_per_s']:,.0f} "
                     f"({_rate(m['collate']['tokens_per_s'])})"
                     f"{_rate_spread(m['collate'], batch=meta['batch'])} |")
         else:
-            row += f" {read.get('status', 'not run')} | - | - |"
+            row += f" {read.get('status', 'not run')} | - | - | - |"
         lines.append(row)
     seq_note = meta.get("read_seqs_per_run")
     lines += [
         "",
-        "B / token = shard files' bytes / token rows (the manifest, "
-        f"{stores[0]['manifest_bytes'] if stores else 0} B per store, apart); payload = "
-        "kept entries x (4 B index + the log-prob's bytes) + 4 B ghost log-mass (+ 4 B count "
-        "per row in top-p shards); bound = the size target 6K+16 for 2-byte log-probs (8K+16 for "
-        "float32, for reference). write = the writer alone (construction, add of every "
+        "B / token and B / kept entry: every byte on disk (shard files and manifest; token "
+        "ids, ghost log-masses, offsets, hashes and CRCs included) over the token rows and over "
+        "the kept entries. write = the writer alone (construction, add of every "
         "sequence, close; each shard and the directory fsynced), median of the writes after "
         "an untimed warm-up write, MB = 10^6 B of shards. read = a fresh process with "
         f"{meta.get('read_threads', '?')} torch thread(s) (a DataLoader worker has 1), sample "
@@ -669,7 +709,9 @@ def format_table(saved) -> str:
         + (f", {seq_note:,} sequences per run" if seq_note else "")
         + ", median of the runs after an untimed warm-up run, each run on a new store object "
         "(new memory maps: first touch of every page in the process, as in one epoch; shards "
-        "opened before the clock): checked = store.get(id, "
+        "opened before the clock); tok/s of CPU time: the fastest run's tokens over the "
+        "process's CPU time (time.process_time), what a worker that has a core to itself "
+        "reads, on a busy machine too: checked = store.get(id, "
         "input_ids) (CRC-32 and token hash checked); unchecked = store.get(id) with "
         "verify_reads=False (nothing checked); "
         f"collate = store.collate of {meta['batch']} ids with their input_ids (checked) into "
@@ -696,7 +738,7 @@ def format_table(saved) -> str:
     elif wb:
         lines += ["", f"Write breakdown: {wb.get('message')}"]
     for s in stores:
-        if s["dtype"] != "bfloat16":
+        if s["top_p"] is not None:
             continue
         run = sorted(s["write_runs"], key=lambda r: r["total_s"])[len(s["write_runs"]) // 2]
         lines.append(
@@ -706,7 +748,7 @@ def format_table(saved) -> str:
             f"{run['flush_s']:.2f} s.")
     for s in stores:
         bd = (s.get("read") or {}).get("breakdown")
-        if bd and bd.get("status") == "ok" and s["dtype"] == "bfloat16":
+        if bd and bd.get("status") == "ok" and s["top_p"] is None:
             lines.append(
                 f"Read breakdown, {s['name']}, median us per sequence of {meta['seq_len']:,} "
                 f"rows ({bd['sequences']} sequences, first touch): token hash "
@@ -723,26 +765,22 @@ def format_table(saved) -> str:
     loss = saved.get("loss")
     if loss and loss.get("status") == "ok":
         lines += ["", f"Loss from the store vs online, {loss['batch']} x {loss['seq_len']:,} "
-                      f"rows at V = {meta['vocab']:,}, bf16 student and teacher logits "
-                      f"(student = 0.8 t + 1.2 N(0, 1)), reduction = 'mean':", "",
-                  "| logprobs | top-p | kept / row | online topk_kl_loss | sparse_kl_loss from "
-                  "the store | rel diff | max abs log-prob diff | max abs prob diff "
-                  "| same indices |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+                      f"rows at V = {meta['vocab']:,}, LM-like (Zipf by rank, random order) "
+                      f"and random-normal N(0, 1) teacher logits, student = 0.8 t + 1.2 N(0, 1), "
+                      f"float32, reduction = 'mean':", "",
+                  "| rows | layout | top-p | kept / row | online topk_kl_loss | sparse_kl_loss "
+                  "from the store | rel diff | max abs log-prob diff | same indices |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---|"]
         for c in loss["cases"]:
             top_p = "-" if c["top_p"] is None else f"{c['top_p']:g}"
-            lines.append(f"| {c['dtype']} | {top_p} | {c['kept_mean']:.1f} "
+            rows = "LM-like" if c["rows"] == "lm" else "normal"
+            lines.append(f"| {rows} | {c['layout']} | {top_p} | {c['kept_mean']:.1f} "
                          f"| {c['online']:.7g} | {c['stored']:.7g} | {c['rel_diff']:.1e} "
-                         f"| {c['max_logprob_diff']:.1e} | {c['max_prob_diff']:.1e} "
+                         f"| {c['max_logprob_diff']:.1e} "
                          f"| {'yes' if c['same_indices'] else 'no'} |")
-        in_memory = max(c["rel_diff_in_memory"] for c in loss["cases"])
-        lines += ["", f"rel diff = |L_store - L_online| / |L_online|; the same selection kept "
-                      f"in memory (sparse_kl_loss on select_topk's result) differs from the "
-                      f"online loss by at most {in_memory:.1e}. Online topk_kl_loss "
-                  + ", ".join(f"{c['online_s']:.1f} s" for c in loss["cases"][::len(
-                      meta['dtypes'])])
-                  + " (without / with top-p); sparse_kl_loss from the store "
-                  + f"{statistics.median(c['stored_loss_s'] for c in loss['cases']):.1f} s."]
+        lines += ["", "rel diff = |L_store - L_online| / |L_online|; same indices: the same "
+                      "set per row (the compact codec may order entries its rounding ties "
+                      "otherwise)."]
     elif loss:
         lines += ["", f"Loss comparison: {loss.get('status')}: {loss.get('message', '')}"]
     if meta.get("command"):
@@ -760,10 +798,10 @@ def build_parser():
         prog="python -m benchmarks store",
         description="Teacher store section: bytes per token on disk, write throughput "
                     "(fsync included), random-access read throughput in a fresh process, and "
-                    "the loss from the store against the online Top-K loss, for bf16, fp16 "
-                    "and fp32 log-probs, without and with top-p.")
+                    "the loss from the store against the online Top-K loss, for the compact "
+                    "and exact codecs and the format-1 layout, without and with top-p.")
     p.add_argument("--k", type=int, default=64, help="entries per row K (64)")
-    p.add_argument("--vocab", type=int, default=248_320, help="vocabulary V (248320)")
+    p.add_argument("--vocab", type=int, default=151_936, help="vocabulary V (151936)")
     p.add_argument("--tokens", type=int, default=1_048_576,
                    help="token rows per store, rounded down to whole sequences (1048576 = "
                         "512 x 2048; ~400 MB at bf16)")
@@ -775,8 +813,13 @@ def build_parser():
     p.add_argument("--pool", type=int, default=4,
                    help="distinct teacher sequences made by select_topk and reused (4)")
     p.add_argument("--top-p", type=float, default=0.95, help="top_p of the second row (0.95)")
-    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES),
-                   help="logprob_dtype of the stores (all three)")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS,
+                   default=["compact", "exact", "float16"],
+                   help="the stores' layouts: codecs compact and exact (format 2), or the "
+                        "format-1 layout with that log-prob dtype (compact exact float16)")
+    p.add_argument("--rows", choices=ROW_KINDS, default="lm",
+                   help="the stored teacher rows: lm (Zipf by rank, random order) or peaked "
+                        "(3 N(0, 1) + 1-3 peaked tokens) (lm)")
     p.add_argument("--shard-bytes", type=harness.int_bytes, default=256 * MiB,
                    help="the writer's shard_bytes (256MiB, its default)")
     p.add_argument("--read-seqs", type=int, default=256,
@@ -854,7 +897,8 @@ def main(argv) -> int:
         "k": args.k, "vocab": args.vocab, "tokens": sequences * args.seq_len,
         "sequences": sequences, "seq_len": args.seq_len, "runs": args.runs,
         "write_runs": args.write_runs,
-        "pool": written.get("pool"), "top_p": args.top_p, "dtypes": args.dtypes,
+        "pool": written.get("pool"), "top_p": args.top_p, "layouts": args.layouts,
+        "rows": args.rows,
         "shard_bytes": args.shard_bytes, "batch": args.batch,
         "read_threads": args.read_threads,
         "read_seqs_per_run": (stores[0].get("read") or {}).get("sequences_per_run"),

@@ -1,7 +1,8 @@
 """Subprocess bodies for the teacher-store tests (see test_store.py).
 
-- ``python tests/store_worker.py crash PATH COUNT SHARD_BYTES``: a writer adding sequences
-  ``s0, s1, ...`` slowly, to be killed with SIGKILL by the test while a shard is pending.
+- ``python tests/store_worker.py crash PATH COUNT SHARD_BYTES [CODEC]``: a writer adding
+  sequences ``s0, s1, ...`` slowly, to be killed with SIGKILL by the test while a shard is
+  pending (CODEC: ``plain``, the default, or ``exact``).
 - :func:`gloo_writer`: one rank of a gloo group writing its share of the ids to one store.
 
 Both make every sequence from its number alone (:func:`sequence`), so the parent process can
@@ -25,8 +26,10 @@ import topkd  # noqa: E402
 from topkd.store import TeacherStoreWriter  # noqa: E402
 
 VOCAB, K, TOP_P = 500, 8, 0.9
-# float32 storage, so a read must equal the selection bit for bit
+# lossless storage, so a read must equal the selection bit for bit
 SETTINGS = dict(k=K, vocab_size=VOCAB, top_p=TOP_P, logprob_dtype="float32")
+CODEC_SETTINGS = {"plain": SETTINGS,
+                  "exact": dict(k=K, vocab_size=VOCAB, top_p=TOP_P, codec="exact")}
 
 
 def sequence(number: int):
@@ -39,9 +42,9 @@ def sequence(number: int):
     return tokens, logits, topkd.select_topk(logits, K, top_p=TOP_P)
 
 
-def crash_writer(path: str, count: int, shard_bytes: int) -> None:
+def crash_writer(path: str, count: int, shard_bytes: int, codec: str = "plain") -> None:
     torch.set_num_threads(1)
-    with TeacherStoreWriter(path, **SETTINGS, shard_bytes=shard_bytes) as writer:
+    with TeacherStoreWriter(path, **CODEC_SETTINGS[codec], shard_bytes=shard_bytes) as writer:
         for number in range(count):
             tokens, _, teacher = sequence(number)
             writer.add(f"s{number}", tokens, teacher)
@@ -67,6 +70,6 @@ def gloo_writer(rank, world, count, store_dir, result_dir):
 
 if __name__ == "__main__":
     if sys.argv[1] == "crash":
-        crash_writer(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        crash_writer(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
     else:
         raise SystemExit(f"unknown command {sys.argv[1]!r}")

@@ -3,6 +3,7 @@
     topkd store build --teacher DIR --data FILE --k 64 --out DIR [options]
     topkd store info DIR
     topkd store verify DIR
+    topkd store import --data FILE --out DIR --k 64 --vocab-size V [options]
     topkd distill --teacher DIR --student DIR --data FILE --out DIR [options]
     topkd demo [options]
 
@@ -73,9 +74,13 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                        "restarting at each), no padding; the rows stored are the same")
     build.add_argument("--max-length", type=_int_at_least(1), metavar="L",
                        help="truncate every sequence to L tokens (default: no truncation)")
+    build.add_argument("--exact", action="store_true",
+                       help="store the float32 log-probs losslessly (about 4.9 B per kept "
+                       "entry at K=64, V=151,936; default: the compact codec, about 2.7 B, "
+                       "log-probs to 1/32 nat)")
     build.add_argument("--logprob-dtype", choices=("float16", "bfloat16", "float32"),
-                       default="float16", help="dtype of the stored log-probs (default "
-                       "float16: as small as bfloat16, 8x finer)")
+                       help="store the format-1 layout instead: int32 indices and log-probs "
+                       "in this dtype (6-8 B per entry; what older stores hold)")
     build.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto", help="the teacher's weights (default auto: the "
                        "checkpoint's)")
@@ -108,6 +113,32 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
         "duplicate ids). Prints each problem and exits 1 if there is any.")
     verify.add_argument("path", metavar="DIR", help="the store's directory")
     verify.set_defaults(run=_verify)
+
+    imp = actions.add_parser(
+        "import", help="store a serving engine's top-k log-probs (JSON Lines)",
+        description="Store per-position top-k log-probs, normalized over the vocabulary (what "
+        "vLLM's and SGLang's prompt_logprobs give), from JSON Lines: one sequence per line, "
+        '{"id": ..., "input_ids": [L ids], "topk_ids": [L rows of ids], "topk_logprobs": '
+        "[L rows of log-probs]}; row t is the distribution of the token after input_ids[t]. "
+        "Each row keeps its k most probable entries; the ghost is log(1 - their mass), in "
+        "float64. A rerun resumes.")
+    imp.add_argument("--data", required=True, metavar="FILE", help="the JSON Lines file")
+    imp.add_argument("--out", required=True, metavar="DIR", help="the store's directory")
+    imp.add_argument("--k", required=True, type=_int_at_least(1), metavar="K",
+                     help="entries kept per token row")
+    imp.add_argument("--vocab-size", required=True, type=_int_at_least(1), metavar="V",
+                     help="the vocabulary the log-probs are normalized over")
+    imp.add_argument("--exact", action="store_true", help="lossless float32 log-probs "
+                     "(default: the compact codec)")
+    imp.add_argument("--temperature", type=_float_in("--temperature", 0.0, None), default=1.0,
+                     metavar="T", help="the temperature the engine normalized at (default 1)")
+    imp.add_argument("--tokenizer", metavar="DIR", help="a tokenizer directory whose "
+                     "fingerprint the store records (needs transformers)")
+    imp.add_argument("--id-field", default="id", metavar="NAME",
+                     help="sample id field (default id; absent: the 0-based line number)")
+    imp.add_argument("--ids-field", default="input_ids", metavar="NAME",
+                     help="token ids field (default input_ids)")
+    imp.set_defaults(run=_import)
     _add_distill(commands)
     _add_demo(commands, load=bool(argv) and argv[0] == "demo")
     return parser
@@ -188,7 +219,8 @@ def _build(parser, args) -> int:
             args.teacher, args.data, args.out, k=args.k, top_p=args.top_p,
             top_p_min_k=args.top_p_min_k, temperature=args.temperature,
             batch_size=args.batch_size, max_length=args.max_length,
-            padding_free=args.padding_free, logprob_dtype=args.logprob_dtype,
+            padding_free=args.padding_free, codec=_codec_arg(parser, args),
+            logprob_dtype=args.logprob_dtype,
             text_field=args.text_field,
             id_field=args.id_field, ids_field=args.ids_field, dtype=args.dtype,
             device=args.device, shard_bytes=max(1, int(args.shard_mib * 2**20)),
@@ -203,19 +235,30 @@ def _build(parser, args) -> int:
     return 0
 
 
+def _codec_arg(parser, args) -> str | None:
+    if args.exact and args.logprob_dtype is not None:
+        parser.error("argument --exact: not allowed with --logprob-dtype (the format-1 layout)")
+    return "exact" if args.exact else None
+
+
 def store_info(path: str) -> dict:
-    """A store's manifest and size: sequences, tokens, bytes, bytes per token, shards."""
+    """A store's manifest and size: sequences, tokens, kept entries, bytes (shards and
+    manifest), bytes per token and per kept entry, shards."""
     from .store import TeacherStore
     from .store import format as fmt
 
     store = TeacherStore(path)
-    tokens, nbytes = store.num_tokens(), store.nbytes()
+    tokens, nbytes, entries = store.num_tokens(), store.nbytes(), store.num_entries()
+    total = nbytes + os.path.getsize(os.path.join(store.path, fmt.MANIFEST))
     unfinished = [n for n in os.listdir(store.path)
                   if n.startswith(".shard-") and ".safetensors.tmp" in n]
     return {"path": store.path, "manifest": store.manifest, "sequences": len(store),
             "tokens": tokens, "store_tokens": store.store_tokens, "bytes": nbytes,
             "manifest_bytes": os.path.getsize(os.path.join(store.path, fmt.MANIFEST)),
             "bytes_per_token": nbytes / tokens if tokens else None,
+            "codec": store.manifest["codec"], "entries": entries, "total_bytes": total,
+            "total_bytes_per_token": total / tokens if tokens else None,
+            "total_bytes_per_entry": total / entries if entries else None,
             "shards": len(store.files), "unfinished_shards": len(unfinished)}
 
 
@@ -237,6 +280,12 @@ def _info(parser, args) -> int:
     print(f"token ids stored: {'yes' if info['store_tokens'] else 'no'}")
     print(f"bytes on disk: {info['bytes']} ({info['bytes'] / 2**20:.2f} MiB in shards)")
     print(f"bytes per token: {'-' if per_token is None else f'{per_token:.1f}'}")
+    print(f"codec: {info['codec']}")
+    print(f"kept entries: {info['entries']}")
+    for what in ("token", "entry"):
+        value = info[f"total_bytes_per_{what}"]
+        print(f"bytes per {what}, manifest included: "
+              f"{'-' if value is None else f'{value:.3f}'}")
     print(f"shards: {info['shards']}")
     if info["unfinished_shards"]:
         print(f"unfinished shard files: {info['unfinished_shards']} (a live writer, or one "
@@ -255,6 +304,34 @@ def _verify(parser, args) -> int:
         return 1
     store = TeacherStore(args.path, verify_reads=False)
     print(f"ok: {len(store)} sequences, {len(store.files)} shards")
+    return 0
+
+
+def _import(parser, args) -> int:
+    prog = "topkd store import"
+    if not os.path.isfile(args.data):
+        parser.error(f"argument --data: {args.data!r} is not a file")
+    if args.k > args.vocab_size:
+        parser.error(f"argument --k: {args.k} is more than --vocab-size {args.vocab_size}")
+    from .store.serving import import_jsonl
+
+    try:
+        fingerprint = None
+        if args.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            from .store import tokenizer_fingerprint
+
+            fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(args.tokenizer))
+        summary = import_jsonl(args.data, args.out, k=args.k, vocab_size=args.vocab_size,
+                               codec="exact" if args.exact else None,
+                               temperature=args.temperature,
+                               tokenizer_fingerprint=fingerprint, id_field=args.id_field,
+                               ids_field=args.ids_field)
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError) as e:
+        return _fail(prog, e)
+    print(f"added {summary['added']} sequences ({summary['tokens']} tokens), skipped "
+          f"{summary['skipped']} already stored -> {summary['path']}")
     return 0
 
 

@@ -56,7 +56,8 @@ def test_kd_halves_the_kl_and_beats_cross_entropy(ran):
     for run in (online, stored):
         assert run.kl_after <= 0.5 * run.kl_before, (run.kl_before, run.kl_after)
         assert run.kl_after < ce.kl_after, (run.kl_after, ce.kl_after)
-    # the store keeps the teacher's rows (log-probs rounded to float16): the same training
+    # the store keeps the teacher's rows (the compact codec: log-probs within 1/64 nat): the
+    # same training
     assert stored.kl_after == pytest.approx(online.kl_after, rel=1e-2)
     # the teacher learned the language: far below uniform, and below every student
     assert result.teacher_ce < 0.5 * torch.tensor(float(demo.VOCAB_SIZE)).log().item()

@@ -481,11 +481,14 @@ def test_duplicate_ids(tmp_path):
 # -- 7. crash safety -------------------------------------------------------------------------
 
 
-def test_writer_killed_mid_shard_resumes(tmp_path):
+@pytest.mark.parametrize("codec", ["plain", "exact"])
+def test_writer_killed_mid_shard_resumes(tmp_path, codec):
     path = str(tmp_path / "store")
-    count, shard_bytes = 400, 500  # a shard every two or three sequences
+    # a shard every two or three sequences
+    count, shard_bytes = 400, {"plain": 500, "exact": 250}[codec]
     child = subprocess.Popen(
-        [sys.executable, store_worker.__file__, "crash", path, str(count), str(shard_bytes)],
+        [sys.executable, store_worker.__file__, "crash", path, str(count), str(shard_bytes),
+         codec],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -515,7 +518,8 @@ def test_writer_killed_mid_shard_resumes(tmp_path):
     # the same name reopens (the dead writer's lock went with it) and resumes
     total = len(stored) + 7
     skipped = []
-    with TeacherStoreWriter(path, **store_worker.SETTINGS, shard_bytes=shard_bytes) as w:
+    with TeacherStoreWriter(path, **store_worker.CODEC_SETTINGS[codec],
+                            shard_bytes=shard_bytes) as w:
         assert not [n for n in os.listdir(path) if ".tmp-" in n and n.startswith(".shard-")]
         for number in range(total):
             sample_id = f"s{number}"
@@ -887,7 +891,7 @@ def test_writer_bad_inputs(tmp_path):
 def test_numpy_integer_ids_are_ints(tmp_path):
     np = pytest.importorskip("numpy")
     seqs = _sequences([2, 3])
-    with TeacherStoreWriter(tmp_path, k=K, vocab_size=V) as writer:
+    with TeacherStoreWriter(tmp_path, k=K, vocab_size=V, codec="exact") as writer:
         writer.add(np.int64(5), seqs[0][0], seqs[0][2])
         assert 5 in writer and np.int32(5) in writer
         with pytest.raises(ValueError, match="already in the store"):
@@ -895,10 +899,7 @@ def test_numpy_integer_ids_are_ints(tmp_path):
     store = TeacherStore(tmp_path)
     assert store.ids() == [5] and type(store.ids()[0]) is int
     assert np.int64(5) in store
-    _assert_same_teacher(store.get(np.int16(5), seqs[0][0]),
-                         topkd.SparseTeacher(seqs[0][2].indices,
-                                             seqs[0][2].logprobs.half().float(),
-                                             seqs[0][2].rest_logprob, 1.0, V), "np id")
+    _assert_same_teacher(store.get(np.int16(5), seqs[0][0]), seqs[0][2], "np id")
 
 
 def test_failed_setup_releases_the_lock_and_failed_close_can_retry(tmp_path, monkeypatch):
@@ -1048,21 +1049,20 @@ def _drop_from_manifest(path, *keys):
 
 def test_store_without_the_tokens_setting_reads_as_no_tokens(tmp_path):
     seqs = _sequences([3, 2])
-    _write(tmp_path, ["a", "b"], seqs, store_tokens=False)
+    _write(tmp_path, ["a", "b"], seqs, store_tokens=False, codec="exact")
     _drop_from_manifest(tmp_path, "store_tokens")
     store = TeacherStore(tmp_path)
     assert store.store_tokens is False
-    teacher = seqs[0][2]
-    _assert_same_teacher(store.get("a", seqs[0][0]), topkd.SparseTeacher(
-        teacher.indices, teacher.logprobs.half().float(), teacher.rest_logprob, 1.0, V), "a")
+    _assert_same_teacher(store.get("a", seqs[0][0]), seqs[0][2], "a")
     with pytest.raises(ValueError, match="holds no token ids"):
         store.tokens("a")
     assert verify_store(tmp_path) == []
     # resuming it: with store_tokens=False only (the shards could not all hold tokens)
     with pytest.raises(ValueError) as e:
-        TeacherStoreWriter(tmp_path, k=K, vocab_size=V)
+        TeacherStoreWriter(tmp_path, k=K, vocab_size=V, codec="exact")
     _names(str(e.value), "store_tokens", False, True)
-    with TeacherStoreWriter(tmp_path, k=K, vocab_size=V, store_tokens=False) as writer:
+    with TeacherStoreWriter(tmp_path, k=K, vocab_size=V, store_tokens=False,
+                            codec="exact") as writer:
         writer.add("c", *_sequences([2], seed=3)[0][::2])
     assert sorted(TeacherStore(tmp_path).ids()) == ["a", "b", "c"]
 
@@ -1117,7 +1117,7 @@ def test_failed_writer_binds_no_settings(tmp_path):
     # another k and dtype into the same directory: accepted
     _write(tmp_path, ["a"], seqs[:1])
     store = TeacherStore(tmp_path)
-    assert (store.k, store.manifest["logprob_dtype"]) == (K, "float16") and store.ids() == ["a"]
+    assert (store.k, store.manifest["codec"]) == (K, "compact") and store.ids() == ["a"]
     # a store holding a shard keeps its settings
     with pytest.raises(ValueError) as e:
         TeacherStoreWriter(tmp_path, k=2 * K, vocab_size=V)

@@ -20,7 +20,7 @@ import torch
 from .. import _checks
 from ..select import select_topk
 from ..teacher import SparseTeacher
-from . import format as fmt
+from .writer import writer_codec
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -283,7 +283,7 @@ class _Progress:
 def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
                 top_p_min_k: int = 1, temperature: float = 1.0, batch_size: int = 8,
                 max_length: int | None = None, padding_free: bool = False,
-                logprob_dtype: str = "float16",
+                codec: str | None = None, logprob_dtype: str | None = None,
                 text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
                 dtype="auto", device=None, shard_bytes: int = 256 * 2**20,
                 store_tokens: bool = True, progress: bool = True) -> dict:
@@ -302,7 +302,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
             padded build stores them (to rounding). The teacher's attention must keep packed
             sequences apart: checked on the model before the first batch (transformers'
             ``sdpa`` and ``eager`` do; a ValueError names an implementation that does not).
-        logprob_dtype: the store's dtype for kept log-probs.
+        codec, logprob_dtype: how the rows are stored, as :class:`TeacherStoreWriter` takes
+            them (default: ``"compact"``; ``"exact"`` for lossless log-probs).
         text_field, id_field, ids_field: the field names of JSON Lines / Parquet samples.
         dtype: the teacher's weights: ``"auto"`` (the checkpoint's), ``"float32"``,
             ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``. The logits stay in the model's
@@ -325,8 +326,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
     batch_size = _checks.integer("batch_size", batch_size, 1)
     if max_length is not None:
         max_length = _checks.integer("max_length", max_length, 1)
-    _checks.choice("logprob_dtype", logprob_dtype, tuple(fmt.LOGPROB_DTYPES))
     # (what the writer checks again, checked here before a model is loaded)
+    writer_codec(codec, logprob_dtype)
     _checks.temperature(temperature)
     _checks.top_p(top_p, top_p_min_k)
     _checks.integer("shard_bytes", shard_bytes, 1)
@@ -351,7 +352,7 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
         device = torch.device(device)
         return _build(teacher_dir, data, out, k=k, top_p=top_p, top_p_min_k=top_p_min_k,
                       temperature=temperature, batch_size=batch_size, max_length=max_length,
-                      padding_free=padding_free, logprob_dtype=logprob_dtype,
+                      padding_free=padding_free, codec=codec, logprob_dtype=logprob_dtype,
                       text_field=text_field, id_field=id_field,
                       ids_field=ids_field, dtype=dtype, device=device, shard_bytes=shard_bytes,
                       store_tokens=store_tokens, progress=progress, rank=rank, world=world,
@@ -364,7 +365,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
 
 
 def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_size,
-           max_length, padding_free, logprob_dtype, text_field, id_field, ids_field, dtype, device,
+           max_length, padding_free, codec, logprob_dtype, text_field, id_field, ids_field,
+           dtype, device,
            shard_bytes, store_tokens, progress, rank, world, start) -> dict:
     from . import tokenizer_fingerprint
     from .writer import TeacherStoreWriter
@@ -393,7 +395,7 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
 
     writer = TeacherStoreWriter(
         out, k=k, vocab_size=vocab, top_p=top_p, top_p_min_k=top_p_min_k,
-        temperature=temperature, logprob_dtype=logprob_dtype,
+        temperature=temperature, codec=codec, logprob_dtype=logprob_dtype,
         tokenizer_fingerprint=None if tokenizer is None else tokenizer_fingerprint(tokenizer),
         store_tokens=store_tokens, metadata=metadata, match_metadata=RESUME_METADATA,
         shard_bytes=shard_bytes)

@@ -13,7 +13,21 @@ first shard leaves none, so the next one may use other settings. (A writer close
 error writes it even with nothing stored: an empty store.)
 
 A shard is one safetensors file (https://github.com/huggingface/safetensors): a JSON header, then
-raw little-endian arrays, memory-mapped by the reader. Its tensors:
+raw little-endian arrays, memory-mapped by the reader. The manifest's ``format_version`` says
+which tensors a shard holds. Format 2 (codecs ``"compact"`` and ``"exact"``, see
+:mod:`topkd.store.codec`):
+
+- ``payload`` uint8 ``[B]``: every sequence's encoded rows, sequence after sequence;
+- ``row_base`` ``[T]`` (float32 for ``compact``, int32 for ``exact``): each row's base;
+- ``rest_logprob``, ``counts``, ``input_ids``, ``seq_rows``, ``token_hash``: as in format 1;
+- ``seq_bytes`` int64 ``[S + 1]``: where each sequence's payload starts;
+- ``seq_width`` uint8 ``[S]``: each sequence's code width byte;
+- ``crc`` int64 ``[S]``: CRC-32 of each sequence's bytes in ``payload``, ``row_base``,
+  ``rest_logprob`` and ``counts`` (:data:`CRC_TENSORS_V2`).
+
+The manifest's ``kind`` says what a row holds: ``"topk"``, a teacher's K most probable entries.
+
+Format 1 (codec ``"plain"``, a fixed width per entry; still read and resumed):
 
 - ``indices`` int32 ``[E]`` and ``logprobs`` (the store's dtype) ``[E]``: the kept entries of
   every row, row after row (``E`` = entries in the shard);
@@ -43,10 +57,15 @@ import os
 import re
 import zlib
 
+import numpy as np
 import torch
 
 FORMAT = "topkd-teacher-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what compact and exact stores are written in
+PLAIN_VERSION = 1  # fixed-width entries: codec "plain", with a logprob_dtype
+READABLE_VERSIONS = (PLAIN_VERSION, FORMAT_VERSION)
+CODECS = ("compact", "exact", "plain")
+KINDS = ("topk",)
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
 SHARD_PATTERN = re.compile(r"^shard-(?P<writer>[A-Za-z0-9_.-]+)-(?P<number>\d{6,})\.safetensors$")
@@ -57,14 +76,19 @@ TOKENS = "input_ids"
 ROW_TENSORS = CRC_TENSORS + (TOKENS,)
 SEQUENCE_TENSORS = ("seq_rows", "seq_entries", "token_hash", "crc")
 REQUIRED_TENSORS = ("indices", "logprobs", "rest_logprob") + SEQUENCE_TENSORS
+# format 2
+CRC_TENSORS_V2 = ("payload", "row_base", "rest_logprob", "counts")
+ROW_TENSORS_V2 = CRC_TENSORS_V2 + (TOKENS,)
+SEQUENCE_TENSORS_V2 = ("seq_rows", "seq_bytes", "seq_width", "token_hash", "crc")
+REQUIRED_TENSORS_V2 = ("payload", "row_base", "rest_logprob") + SEQUENCE_TENSORS_V2
 TOKEN_DTYPE = torch.int32
 LOGPROB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
 TOKEN_HASH = "blake2b-128 of the token ids as int64 little-endian"
 
 # The settings a reader may insist on, in the order errors name them.
-SETTINGS = ("vocab_size", "k", "top_p", "top_p_min_k", "temperature", "logprob_dtype",
-            "tokenizer_fingerprint", "store_tokens")
+SETTINGS = ("kind", "codec", "vocab_size", "k", "top_p", "top_p_min_k", "temperature",
+            "logprob_dtype", "tokenizer_fingerprint", "store_tokens")
 
 
 def shard_name(writer: str, number: int) -> str:
@@ -117,10 +141,23 @@ def crc_parts(tensors: dict, rows, entries, i: int) -> list:
     return parts
 
 
+def crc_parts_v2(tensors: dict, rows, starts, i: int) -> list:
+    """Sequence ``i``'s parts of a format-2 shard's :data:`CRC_TENSORS_V2`, in the order its
+    CRC-32 covers them; ``rows`` / ``starts`` are the shard's ``seq_rows`` / ``seq_bytes``."""
+    r0, r1, b0, b1 = int(rows[i]), int(rows[i + 1]), int(starts[i]), int(starts[i + 1])
+    parts = [tensors["payload"][b0:b1], tensors["row_base"][r0:r1],
+             tensors["rest_logprob"][r0:r1]]
+    if "counts" in tensors:
+        parts.append(tensors["counts"][r0:r1])
+    return parts
+
+
 def crc(tensors) -> int:
+    """CRC-32 of the bytes of ``tensors`` (torch tensors or contiguous numpy arrays), in
+    order."""
     value = 0
     for t in tensors:
-        value = zlib.crc32(tensor_bytes(t), value)
+        value = zlib.crc32(t if isinstance(t, np.ndarray) else tensor_bytes(t), value)
     return value
 
 
@@ -183,10 +220,17 @@ def read_manifest(path: str) -> dict:
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{file} is not a topkd teacher store manifest "
                          f"(format={manifest.get('format')!r})")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise ValueError(f"{file} has format_version={manifest.get('format_version')!r}; this "
-                         f"topkd reads format_version={FORMAT_VERSION}")
+                         f"topkd reads format_version {' and '.join(map(str, READABLE_VERSIONS))}")
     manifest.setdefault("store_tokens", False)  # written before token ids were stored
+    if manifest["format_version"] == PLAIN_VERSION:  # written before codecs existed
+        manifest.setdefault("codec", "plain")
+        manifest.setdefault("kind", "topk")
+    if manifest.get("kind") not in KINDS or manifest.get("codec") not in CODECS:
+        raise ValueError(f"{file} holds rows of kind={manifest.get('kind')!r} and codec="
+                         f"{manifest.get('codec')!r}; this topkd reads kinds {list(KINDS)} "
+                         f"and codecs {list(CODECS)}")
     return manifest
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -10,81 +9,7 @@ import torch
 
 from ..teacher import SparseTeacher
 from . import format as fmt
-
-
-def _open(path: str, file: str):
-    from safetensors import safe_open
-
-    try:
-        return safe_open(os.path.join(path, file), framework="pt")
-    except Exception as e:  # safetensors raises its own error type for a damaged header
-        raise ValueError(f"teacher store shard {os.path.join(path, file)} is damaged or "
-                         f"truncated ({e}); run `topkd store verify {path}`") from None
-
-
-def read_shard_ids(path: str, file: str) -> list:
-    """The sample ids in one shard, from its header (which also proves the file is whole)."""
-    with _open(path, file) as handle:
-        metadata = handle.metadata() or {}
-    return shard_ids(metadata, os.path.join(path, file), path)
-
-
-def shard_ids(metadata: dict, where: str, path: str) -> list:
-    """The sample ids of a shard's header metadata, checked against their SHA-256."""
-    try:
-        ids = json.loads(metadata["sample_ids"])
-        intact = fmt.ids_sha256(metadata["sample_ids"]) == metadata["sample_ids_sha256"]
-    except (KeyError, json.JSONDecodeError):
-        raise ValueError(f"teacher store shard {where} has no readable sample_ids in its "
-                         f"header; run `topkd store verify {path}`") from None
-    if not intact or not isinstance(ids, list):
-        raise ValueError(f"teacher store shard {where}: the sample_ids in its header do not "
-                         f"match their SHA-256 (the header was altered); run "
-                         f"`topkd store verify {path}`")
-    return ids
-
-
-class _Shard:
-    """One open shard: the memory map and its small per-sequence arrays."""
-
-    def __init__(self, path: str, file: str):
-        self.file = os.path.join(path, file)
-        self.handle = _open(path, file)
-        keys = set(self.handle.keys())
-        self.has_counts = "counts" in keys
-        self.has_tokens = fmt.TOKENS in keys
-        # The small per-sequence arrays say where every read goes and what it must hash to:
-        # check them in full once (the row data is checked per read, by its CRC-32).
-        try:
-            small = {name: self.handle.get_tensor(name) for name in fmt.SEQUENCE_TENSORS}
-            hashes = json.loads((self.handle.metadata() or {})["sha256"])
-            intact = all(fmt.sha256(t) == hashes[name] for name, t in small.items())
-        except Exception:  # a missing tensor (safetensors' own error) or hash
-            intact = False
-        if not intact:
-            raise ValueError(f"teacher store shard {self.file}: its sequence offsets, token "
-                             f"hashes or CRCs do not match their SHA-256 (the file was "
-                             f"altered); run `topkd store verify {path}`")
-        self.seq_rows = small["seq_rows"].tolist()
-        self.seq_entries = small["seq_entries"].tolist()
-        self.token_hash = small["token_hash"]
-        self.crc = small["crc"].tolist()
-        self.slices = {name: self.handle.get_slice(name) for name in fmt.ROW_TENSORS
-                       if name in keys}
-
-    def read(self, i: int):
-        """Sequence ``i``'s parts of the tensors its CRC-32 covers, in that order."""
-        r0, r1 = self.seq_rows[i], self.seq_rows[i + 1]
-        e0, e1 = self.seq_entries[i], self.seq_entries[i + 1]
-        parts = {"indices": self.slices["indices"][e0:e1],
-                 "logprobs": self.slices["logprobs"][e0:e1],
-                 "rest_logprob": self.slices["rest_logprob"][r0:r1]}
-        if self.has_counts:
-            parts["counts"] = self.slices["counts"][r0:r1]
-        return parts
-
-    def tokens(self, i: int) -> torch.Tensor:
-        return self.slices[fmt.TOKENS][self.seq_rows[i]:self.seq_rows[i + 1]]
+from .shard import Shard, read_shard_ids, shard_ids  # noqa: F401  (read_shard_ids: re-exported)
 
 
 class MissingSampleError(KeyError):
@@ -129,7 +54,7 @@ class TeacherStore:
                     raise ValueError(f"sample_id {sample_id!r} is stored twice in {self.path}: "
                                      f"in {other} and in {file}")
                 self._where[sample_id] = (number, position)
-        self._shards: dict[int, _Shard] = {}
+        self._shards: dict[int, Shard] = {}
 
     # -- what is there -----------------------------------------------------------------------
 
@@ -169,15 +94,26 @@ class TeacherStore:
         """Token rows stored, over all sequences."""
         return sum(self._shard(n).seq_rows[-1] for n in range(len(self.files)))
 
+    def num_entries(self) -> int:
+        """Kept entries stored, over all token rows (K per row, fewer in rows top-p cut)."""
+        total = 0
+        for number in range(len(self.files)):
+            shard = self._shard(number)
+            if shard.has_counts:
+                total += int(shard.slices["counts"][:].sum())
+            else:
+                total += shard.seq_rows[-1] * self.k
+        return total
+
     # -- reading -----------------------------------------------------------------------------
 
-    def _shard(self, number: int) -> _Shard:
+    def _shard(self, number: int) -> Shard:
         shard = self._shards.get(number)
         if shard is None:
-            shard = self._shards[number] = _Shard(self.path, self.files[number])
+            shard = self._shards[number] = Shard(self.path, self.files[number], self.manifest)
         return shard
 
-    def _locate(self, sample_id) -> tuple[_Shard, int]:
+    def _locate(self, sample_id) -> tuple[Shard, int]:
         key = fmt.sample_key(sample_id)
         where = self._where.get(key) if key is not None else None
         if where is None:
@@ -248,29 +184,18 @@ class TeacherStore:
                     f"sample_id {sample_id!r}: the token ids given ({len(input_ids)} tokens) "
                     f"are not the ones the teacher store {self.path} was built from (token hash "
                     f"differs); the data and the store are misaligned")
-        parts = shard.read(position)
+        parts = shard.parts(position)
         if self.verify_reads and fmt.crc(parts.values()) != shard.crc[position]:
             raise ValueError(f"sample_id {sample_id!r}: its data in teacher store shard "
                              f"{shard.file} is damaged (CRC-32 mismatch); run "
                              f"`topkd store verify {self.path}`")
-        return self._teacher(parts)
-
-    def _teacher(self, parts: dict) -> SparseTeacher:
-        length, k = parts["rest_logprob"].shape[0], self.k
-        indices = parts["indices"].long()
-        logprobs = parts["logprobs"].float()
-        if "counts" in parts:
-            used = torch.arange(k) < parts["counts"][:, None]
-            full_indices = torch.full((length, k), -1, dtype=torch.int64)
-            full_logprobs = torch.full((length, k), float("-inf"))
-            # (masked_scatter_ is several times faster than boolean index assignment)
-            full_indices.masked_scatter_(used, indices)
-            full_logprobs.masked_scatter_(used, logprobs)
-            indices, logprobs = full_indices, full_logprobs
-        else:
-            indices, logprobs = indices.reshape(length, k), logprobs.reshape(length, k)
-        return SparseTeacher(indices, logprobs, parts["rest_logprob"].float(),
-                             self.temperature, self.vocab_size)
+        try:
+            indices, logprobs, rest = shard.rows(parts, position)
+        except ValueError as e:  # only without verify_reads: the CRC-32 would have caught it
+            raise ValueError(f"sample_id {sample_id!r}: its data in teacher store shard "
+                             f"{shard.file} is damaged ({e}); run "
+                             f"`topkd store verify {self.path}`") from None
+        return SparseTeacher(indices, logprobs, rest, self.temperature, self.vocab_size)
 
     def collate(self, sample_ids, *, input_ids=None, pad_to: int | None = None) -> SparseTeacher:
         """The teachers of several sequences as one batch ``[B, L, K]``, padded to the longest

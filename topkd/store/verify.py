@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
+from . import codec
 from . import format as fmt
-from .reader import _open, shard_ids
+from .shard import open_file, shard_ids
 
 
 def verify_store(path: str) -> list[str]:
@@ -40,14 +43,16 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
     def bad(message):
         return ValueError(f"{where}: {message}")
 
-    with _open(path, file) as handle:
+    with open_file(path, file) as handle:
         metadata = handle.metadata() or {}
         ids = shard_ids(metadata, where, path)
         try:
             hashes = json.loads(metadata["sha256"])
         except (KeyError, json.JSONDecodeError):
             raise bad("header metadata (sha256) missing or unreadable") from None
-        missing = [name for name in fmt.REQUIRED_TENSORS if name not in handle.keys()]
+        v2 = manifest["format_version"] != fmt.PLAIN_VERSION
+        required = fmt.REQUIRED_TENSORS_V2 if v2 else fmt.REQUIRED_TENSORS
+        missing = [name for name in required if name not in handle.keys()]
         if missing:
             raise bad(f"tensors {missing} are missing")
         if set(hashes) != set(handle.keys()):
@@ -57,6 +62,24 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
     for name, t in tensors.items():
         if fmt.sha256(t) != hashes[name]:
             raise bad(f"tensor {name!r} does not match its SHA-256 (the file was altered)")
+    check = _check_rows_v2 if v2 else _check_rows_v1
+    check(tensors, ids, manifest, bad)
+    tokens = tensors.get(fmt.TOKENS)
+    rows = tensors["seq_rows"].tolist()
+    if manifest["store_tokens"] and tokens is None:
+        raise bad(f"no {fmt.TOKENS} though the manifest says store_tokens=true")
+    if tokens is not None and (tokens.dtype != fmt.TOKEN_DTYPE
+                               or tuple(tokens.shape) != (rows[-1],)):
+        raise bad(f"{fmt.TOKENS} is {tokens.dtype} {tuple(tokens.shape)}, expected "
+                  f"{fmt.TOKEN_DTYPE} ({rows[-1]},)")
+    for i, sample_id in enumerate(ids):
+        if tokens is not None and fmt.token_hash(tokens[rows[i]:rows[i + 1]]) != bytes(
+                tensors["token_hash"][i].tolist()):
+            raise bad(f"sample_id {sample_id!r}: its {fmt.TOKENS} do not match its token hash")
+    return ids
+
+
+def _check_rows_v1(tensors, ids, manifest, bad) -> None:
     rows, entries = tensors["seq_rows"].tolist(), tensors["seq_entries"].tolist()
     k = manifest["k"]
     counts = tensors.get("counts")
@@ -71,20 +94,53 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
     )
     if not consistent:
         raise bad("sequence offsets, counts and array lengths disagree")
-    tokens = tensors.get(fmt.TOKENS)
-    if manifest["store_tokens"] and tokens is None:
-        raise bad(f"no {fmt.TOKENS} though the manifest says store_tokens=true")
-    if tokens is not None and (tokens.dtype != fmt.TOKEN_DTYPE
-                               or tuple(tokens.shape) != (rows[-1],)):
-        raise bad(f"{fmt.TOKENS} is {tokens.dtype} {tuple(tokens.shape)}, expected "
-                  f"{fmt.TOKEN_DTYPE} ({rows[-1]},)")
     if str(tensors["logprobs"].dtype) != f"torch.{manifest['logprob_dtype']}":
         raise bad(f"logprobs are {tensors['logprobs'].dtype}, the manifest says "
                   f"{manifest['logprob_dtype']}")
     for i, sample_id in enumerate(ids):
         if fmt.crc(fmt.crc_parts(tensors, rows, entries, i)) != int(tensors["crc"][i]):
             raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
-        if tokens is not None and fmt.token_hash(tokens[rows[i]:rows[i + 1]]) != bytes(
-                tensors["token_hash"][i].tolist()):
-            raise bad(f"sample_id {sample_id!r}: its {fmt.TOKENS} do not match its token hash")
-    return ids
+
+
+def _check_rows_v2(tensors, ids, manifest, bad) -> None:
+    """The offsets and lengths agree, every CRC-32 holds, and every sequence decodes to
+    distinct in-vocabulary indices and log-probs without NaN."""
+    rows, starts = tensors["seq_rows"].tolist(), tensors["seq_bytes"].tolist()
+    k, vocab = manifest["k"], manifest["vocab_size"]
+    counts = tensors.get("counts")
+    length = tensors["rest_logprob"].shape[0]
+    base_dtype = "torch.float32" if manifest["codec"] == "compact" else "torch.int32"
+    consistent = (
+        len(rows) == len(starts) == len(ids) + 1 and rows[0] == starts[0] == 0
+        and rows == sorted(rows) and starts == sorted(starts) and rows[-1] == length
+        and starts[-1] == tensors["payload"].shape[0]
+        and tuple(tensors["row_base"].shape) == (length,)
+        and (counts is None or tuple(counts.shape) == (length,))
+        and tuple(tensors["seq_width"].shape) == (len(ids),)
+        and tuple(tensors["token_hash"].shape) == (len(ids), 16)
+        and tensors["crc"].shape[0] == len(ids)
+    )
+    if not consistent:
+        raise bad("sequence offsets, counts and array lengths disagree")
+    if str(tensors["row_base"].dtype) != base_dtype:
+        raise bad(f"row_base is {tensors['row_base'].dtype}, codec {manifest['codec']!r} "
+                  f"has {base_dtype}")
+    if counts is not None and bool(((counts < 0) | (counts > k)).any()):
+        raise bad(f"counts outside 0..{k}")
+    for i, sample_id in enumerate(ids):
+        if fmt.crc(fmt.crc_parts_v2(tensors, rows, starts, i)) != int(tensors["crc"][i]):
+            raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
+        r0, r1 = rows[i], rows[i + 1]
+        try:
+            indices, logprobs = codec.decode(
+                manifest["codec"], tensors["payload"][starts[i]:starts[i + 1]].numpy(),
+                tensors["row_base"][r0:r1].numpy(), int(tensors["seq_width"][i]),
+                None if counts is None else counts[r0:r1].numpy(), vocab, k,
+                manifest.get("logprob_step"))
+        except ValueError as e:
+            raise bad(f"sample_id {sample_id!r}: {e}") from None
+        used = indices >= 0
+        if bool((indices >= vocab).any()) or np.isnan(logprobs).any() or (
+                used[:, 1:] & (indices[:, 1:] == indices[:, :-1])).any():
+            raise bad(f"sample_id {sample_id!r}: decodes to indices outside the vocabulary, "
+                      f"repeated indices or NaN log-probs")

@@ -13,8 +13,9 @@ import torch
 
 from .. import _checks
 from ..teacher import SparseTeacher
+from . import codec as row_codec
 from . import format as fmt
-from .reader import read_shard_ids
+from .shard import read_shard_ids
 
 
 class TeacherStoreWriter:
@@ -27,10 +28,15 @@ class TeacherStoreWriter:
         vocab_size: the vocabulary the teacher was normalized over, up to ``2**31 - 2``.
         top_p, top_p_min_k, temperature: the selection's settings, recorded in the manifest;
             every added teacher must have this ``k``, temperature and vocabulary.
-        logprob_dtype: ``"float16"`` (default), ``"bfloat16"`` or ``"float32"`` for the kept
-            log-probs. Log-probs lie in ``[-inf, 0]`` and float16 holds them to 2^-11 relative
-            where bfloat16 gives 2^-8, at the same size (the benchmark measures a 25x smaller
-            loss error). Indices are int32 and the ghost log-mass float32 in every case.
+        codec: how the kept entries are stored. ``"compact"`` (the default): indices
+            Elias-Fano coded, log-probs rounded to 1/16 nat relative to the row's largest,
+            the kept mass preserved (about 2.7 bytes per entry at K = 64, V = 151,936).
+            ``"exact"``: the float32 log-probs bit for bit (about 4.9 bytes per entry there).
+            ``"plain"``: the fixed-width layout of format 1 (int32 indices, log-probs in
+            ``logprob_dtype``), which older stores have; given ``logprob_dtype`` alone, it is
+            this one. The ghost log-mass is float32 in every case, stored as given.
+        logprob_dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``, for ``codec="plain"``
+            only (default there: float16).
         tokenizer_fingerprint: identifies the tokenizer (see :func:`tokenizer_fingerprint`);
             a reader asking for another one is refused.
         store_tokens: keep each sequence's token ids (int32, 4 B per token) with its rows, so
@@ -55,8 +61,8 @@ class TeacherStoreWriter:
     """
 
     def __init__(self, path: str, *, k: int, vocab_size: int, top_p: float | None = None,
-                 top_p_min_k: int = 1, temperature: float = 1.0,
-                 logprob_dtype: str = "float16", tokenizer_fingerprint: str | None = None,
+                 top_p_min_k: int = 1, temperature: float = 1.0, codec: str | None = None,
+                 logprob_dtype: str | None = None, tokenizer_fingerprint: str | None = None,
                  store_tokens: bool = True, metadata: dict | None = None,
                  match_metadata: Iterable[str] = (), name: str | None = None,
                  shard_bytes: int = 256 * 2**20):
@@ -64,7 +70,7 @@ class TeacherStoreWriter:
         k = _checks.integer("k", k, 1, vocab_size)
         temperature = _checks.temperature(temperature)
         top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
-        _checks.choice("logprob_dtype", logprob_dtype, tuple(fmt.LOGPROB_DTYPES))
+        codec_name, logprob_dtype = writer_codec(codec, logprob_dtype)
         if tokenizer_fingerprint is not None and not isinstance(tokenizer_fingerprint, str):
             raise TypeError(f"tokenizer_fingerprint must be a str or None, got "
                             f"{type(tokenizer_fingerprint).__name__}")
@@ -82,8 +88,8 @@ class TeacherStoreWriter:
 
         self.path = os.fspath(path)
         os.makedirs(self.path, exist_ok=True)
-        self.settings = {"vocab_size": vocab_size, "k": k, "top_p": top_p,
-                         "top_p_min_k": top_p_min_k, "temperature": temperature,
+        self.settings = {"kind": "topk", "codec": codec_name, "vocab_size": vocab_size, "k": k,
+                         "top_p": top_p, "top_p_min_k": top_p_min_k, "temperature": temperature,
                          "logprob_dtype": logprob_dtype,
                          "tokenizer_fingerprint": tokenizer_fingerprint,
                          "store_tokens": store_tokens}
@@ -109,7 +115,7 @@ class TeacherStoreWriter:
             self._lock.close()  # a store this writer cannot resume: leave no lock behind
             raise
         self._next_number = max(numbers) + 1
-        self._logprob_dtype = fmt.LOGPROB_DTYPES[logprob_dtype]
+        self._logprob_dtype = fmt.LOGPROB_DTYPES.get(logprob_dtype)
         self._pending: list[tuple] = []
         self._pending_bytes = 0
         self.closed = False
@@ -117,8 +123,14 @@ class TeacherStoreWriter:
     # -- setup -------------------------------------------------------------------------------
 
     def _new_manifest(self, metadata: dict) -> dict:
-        manifest = {"format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
-                    **self.settings, "index_dtype": "int32", "rest_dtype": "float32",
+        if self.settings["codec"] == "plain":
+            layout = {"format_version": fmt.PLAIN_VERSION, "index_dtype": "int32"}
+        else:
+            layout = {"format_version": fmt.FORMAT_VERSION,
+                      "index_coding": "elias-fano, entries sorted by index within a row"}
+            if self.settings["codec"] == "compact":
+                layout["logprob_step"] = row_codec.COMPACT_STEP
+        manifest = {"format": fmt.FORMAT, **layout, **self.settings, "rest_dtype": "float32",
                     "token_hash": fmt.TOKEN_HASH, "metadata": metadata}
         if self.settings["store_tokens"]:
             manifest["input_ids_dtype"] = "int32"
@@ -218,17 +230,18 @@ class TeacherStoreWriter:
             raise ValueError(f"sample_id {sample_id!r} is already in the store {self.path}")
         token_hash = fmt.token_hash(input_ids)
         length = len(input_ids)
-        rows = dict(zip(fmt.CRC_TENSORS, self._rows(sample_id, teacher, length), strict=True))
+        rows = self._rows(sample_id, teacher, length)
         if self.settings["store_tokens"]:
             rows[fmt.TOKENS] = self._tokens(sample_id, input_ids)
         self._stored.add(sample_id)
         self._pending.append((sample_id, token_hash, rows))
-        self._pending_bytes += sum(t.numel() * t.element_size() for t in rows.values())
+        self._pending_bytes += sum(t.numel() * t.element_size() for t in rows.values()
+                                   if isinstance(t, torch.Tensor))
         if self._pending_bytes >= self.shard_bytes:
             self.flush()
 
-    def _rows(self, sample_id, teacher, length: int):
-        """Validate one sequence's teacher and pack its rows: (indices, logprobs, rest, counts)."""
+    def _rows(self, sample_id, teacher, length: int) -> dict:
+        """Validate one sequence's teacher and pack its rows (the parts its CRC-32 covers)."""
         if not isinstance(teacher, SparseTeacher):
             raise TypeError(f"teacher must be a topkd.SparseTeacher, got "
                             f"{type(teacher).__name__}")
@@ -263,12 +276,26 @@ class TeacherStoreWriter:
         if bool((indices >= s["vocab_size"]).any()):
             raise ValueError(f"sample {sample_id!r}: teacher indices must be < vocab_size="
                              f"{s['vocab_size']}, got {int(indices.max())}")
+        if bool(torch.isnan(rest).any() | (rest > 0).any()):
+            raise ValueError(f"sample {sample_id!r}: teacher.rest_logprob must be a log-mass "
+                             f"(<= 0, not NaN), got {rest[torch.isnan(rest) | (rest > 0)][:3]}")
         if bool((counts == s["k"]).all()):
             indices, logprobs = indices.reshape(-1), logprobs.reshape(-1)
         else:  # (masked_select is several times faster than boolean indexing here)
             indices, logprobs = indices.masked_select(used), logprobs.masked_select(used)
-        return (indices.to(torch.int32), logprobs.to(self._logprob_dtype),
-                rest, counts.to(torch.int32))
+        bad = torch.isnan(logprobs) | (logprobs == float("inf"))
+        if bool(bad.any()):
+            raise ValueError(f"sample {sample_id!r}: teacher.logprobs of kept entries must not "
+                             f"be NaN or +inf, got {logprobs[bad][:3].tolist()}")
+        counts = counts.to(torch.int32)
+        if s["codec"] == "plain":
+            return {"indices": indices.to(torch.int32),
+                    "logprobs": logprobs.to(self._logprob_dtype), "rest_logprob": rest,
+                    "counts": counts}
+        payload, base, width = row_codec.encode(s["codec"], indices.numpy(), logprobs.numpy(),
+                                            counts.numpy(), s["vocab_size"], s["k"])
+        return {"payload": torch.from_numpy(payload), "row_base": torch.from_numpy(base),
+                "rest_logprob": rest, "counts": counts, "width": width}
 
     def _tokens(self, sample_id, input_ids) -> torch.Tensor:
         ids = torch.as_tensor(input_ids).cpu().to(torch.int64).reshape(-1)
@@ -287,15 +314,21 @@ class TeacherStoreWriter:
 
         ids = [p[0] for p in self._pending]
         parts = [p[2] for p in self._pending]
-        tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+        v2 = self.settings["codec"] != "plain"
+        tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0] if n != "width"}
         rows = torch.tensor([0] + [len(p["rest_logprob"]) for p in parts]).cumsum(0)
-        entries = torch.tensor([0] + [len(p["indices"]) for p in parts]).cumsum(0)
+        first = "payload" if v2 else "indices"
+        starts = torch.tensor([0] + [len(p[first]) for p in parts]).cumsum(0)
         if bool((tensors["counts"] == self.settings["k"]).all()):
             del tensors["counts"]  # every row full: the counts say nothing
-        crcs = []
-        for i in range(len(ids)):
-            crcs.append(fmt.crc(fmt.crc_parts(tensors, rows, entries, i)))
-        tensors["seq_rows"], tensors["seq_entries"] = rows, entries
+        crc_parts = fmt.crc_parts_v2 if v2 else fmt.crc_parts
+        crcs = [fmt.crc(crc_parts(tensors, rows, starts, i)) for i in range(len(ids))]
+        tensors["seq_rows"] = rows
+        if v2:
+            tensors["seq_bytes"] = starts
+            tensors["seq_width"] = torch.tensor([p["width"] for p in parts], dtype=torch.uint8)
+        else:
+            tensors["seq_entries"] = starts
         tensors["token_hash"] = torch.tensor([list(p[1]) for p in self._pending],
                                              dtype=torch.uint8).reshape(len(ids), 16)
         tensors["crc"] = torch.tensor(crcs, dtype=torch.int64)
@@ -337,6 +370,20 @@ class TeacherStoreWriter:
         # Closed by an error: keep what was added, but a store with nothing in it stays
         # unbound, so a corrected run may choose other settings.
         self._close(bind=exc_type is None)
+
+
+def writer_codec(codec_name, logprob_dtype) -> tuple[str, str | None]:
+    """The writer's codec and log-prob dtype from what was given."""
+    if codec_name is None:
+        codec_name = "compact" if logprob_dtype is None else "plain"
+    _checks.choice("codec", codec_name, fmt.CODECS)
+    if codec_name == "plain":
+        logprob_dtype = "float16" if logprob_dtype is None else logprob_dtype
+        _checks.choice("logprob_dtype", logprob_dtype, tuple(fmt.LOGPROB_DTYPES))
+    elif logprob_dtype is not None:
+        raise ValueError(f"logprob_dtype={logprob_dtype!r} is for codec='plain' only; codec="
+                         f"{codec_name!r} stores its own way (leave logprob_dtype unset)")
+    return codec_name, logprob_dtype
 
 
 def _default_name() -> str:

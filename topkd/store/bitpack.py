@@ -1,0 +1,85 @@
+"""Bit packing with numpy: unsigned fields of one width up to 57 bits, packed back to back,
+least significant bit first, and Elias-Fano's unary-coded high parts.
+
+Everything is vectorized over the fields; no Python loop runs per row or per field.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_WIDTH = 57  # a field plus its bit shift (<= 7) fits the 64-bit word a read takes
+
+
+def pack(values: np.ndarray, width: int) -> np.ndarray:
+    """Pack each of ``values`` in ``width`` bits, back to back, least significant bit first;
+    uint8 bytes, zero-padded to :func:`padded_bytes` (so that :func:`unpack` reads them in
+    place)."""
+    values = np.asarray(values, dtype=np.uint64).reshape(-1)
+    if values.size == 0 or width == 0:
+        return np.zeros(0, np.uint8)
+    bits = (values[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)
+    packed = np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")
+    out = np.zeros(padded_bytes(len(values), width), np.uint8)
+    out[: len(packed)] = packed
+    return out
+
+
+def unpack(data: np.ndarray, count: int, width: int) -> np.ndarray:
+    """``count`` fields of ``width`` bits (<= :data:`MAX_WIDTH`) packed back to back from the
+    start of ``data``: uint32 for widths up to 25, else uint64.
+
+    Field ``8 g + j`` starts at byte ``g * width + (j * width) // 8``: for each ``j`` the
+    fields sit at a fixed byte stride, so eight strided word reads unpack them all, with no
+    per-field gather."""
+    word = np.uint32 if width <= 25 else np.uint64  # a field and its shift fit the word
+    if count == 0 or width == 0:
+        return np.zeros(count, word)
+    groups = (count + 7) // 8
+    padded = np.ascontiguousarray(data)
+    if len(padded) < padded_bytes(count, width):  # (the store's payloads carry the padding)
+        padded = np.zeros(padded_bytes(count, width), np.uint8)
+        padded[: min(len(data), len(padded))] = data[: len(padded)]
+    out = np.empty((groups, 8), word)
+    little = _LITTLE[word]
+    for j in range(8):
+        words = np.ndarray(shape=(groups,), dtype=little, buffer=padded,
+                           offset=(j * width) // 8, strides=(width,))
+        np.right_shift(words, word((j * width) % 8), out=out[:, j])
+    out &= word((1 << width) - 1)
+    return out.reshape(-1)[:count]
+
+
+_LITTLE = {np.uint32: np.dtype("<u4"), np.uint64: np.dtype("<u8")}
+
+
+def padded_bytes(count: int, width: int) -> int:
+    """The bytes :func:`unpack` reads for ``count`` fields of ``width`` bits: whole groups of
+    8 fields plus one 8-byte word."""
+    return ((count + 7) // 8) * width + 8 if count and width else 0
+
+
+def pack_unary(positions: np.ndarray, total_bits: int) -> np.ndarray:
+    """A bitmap of ``total_bits`` bits with ones at ``positions`` (distinct), as bytes."""
+    bits = np.zeros(total_bits, np.uint8)
+    bits[positions] = 1
+    return np.packbits(bits, bitorder="little")
+
+
+def unpack_unary(data: np.ndarray, total_bits: int) -> np.ndarray:
+    """The positions of the ones among the first ``total_bits`` bits of ``data``, ascending."""
+    bits = np.unpackbits(data, count=total_bits, bitorder="little")
+    return np.flatnonzero(bits.view(bool))  # (on bool, nonzero is ten times faster)
+
+
+def bit_length(values: np.ndarray) -> np.ndarray:
+    """Bits needed for each non-negative integer of ``values`` (0 for 0), as int64."""
+    values = np.asarray(values, dtype=np.uint64)
+    out = np.zeros(values.shape, np.int64)
+    v = values.copy()
+    for step in (32, 16, 8, 4, 2, 1):
+        big = v >= (np.uint64(1) << np.uint64(step))
+        out[big] += step
+        v[big] >>= np.uint64(step)
+    out[v > 0] += 1
+    return out

@@ -1,0 +1,235 @@
+"""The row codecs of format-2 stores: one sequence's top-K rows to bytes and back.
+
+A row's kept entries are stored sorted by vocabulary index, which costs nothing to undo: the
+reader sorts them back by (log-prob descending, index ascending) -- the order a
+:class:`~topkd.SparseTeacher` has -- with one integer sort per row. Per sequence, the payload
+holds two bit-packed sections, each starting on a byte:
+
+1. the indices' high parts (``index >> low_bits``) as Elias-Fano's unary bitmap: per row,
+   ``count + high_values`` bits, a one at ``high + rank`` for each entry (``rank`` its
+   position among the row's sorted entries);
+2. one field per entry, ``code << low_bits | (index & (2**low_bits - 1))``, in
+   ``code_width + low_bits`` bits (zero-padded to whole groups of 8 fields plus 8 bytes, so
+   that the reader unpacks them in place), where ``low_bits = floor(log2(vocab_size / k))``. An
+   index costs about ``log2(V/K) + 2`` bits (13.2 at K = 64, V = 151,936; int32 takes 32).
+
+Beside the payload: ``row_base`` (4 bytes per row) and one byte per sequence, its code width
+in bits 0-5 with bit 6 set when the all-ones code means ``-inf``.
+
+Codecs:
+
+- ``"exact"``: the code is the float32 log-prob's bit pattern, mapped to an integer that grows
+  as the log-prob falls, minus the row's smallest (``row_base``, int32). Lossless: the reader
+  returns the very float32 values written (``-inf`` and ``-0.0`` included).
+- ``"compact"``: the code is ``q = round((max - logprob) / step)``, the distance below the
+  row's largest log-prob in steps of ``step`` nats (:data:`COMPACT_STEP`), capped at
+  ``2**24 - 2`` steps; a ``-inf`` gets the all-ones code. ``row_base`` (float32) is the
+  log-prob the reader gives ``q = 0``, chosen when writing so that the row's kept entries hold
+  exactly the probability they held before (float64 sums): the decoded row is
+  ``row_base - q * step``, and the stored ghost stays the exact complement of the kept mass.
+  Each log-prob moves by at most ``step / 2`` relative to the row's others, plus the common
+  shift that restores the kept mass.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from . import bitpack
+
+CODECS = ("compact", "exact")
+COMPACT_STEP = 1.0 / 32
+MAX_STEPS = 2**24 - 2
+NEG_INF_FLAG = 0x40
+WIDTH_MASK = 0x3F
+
+
+def low_bits(vocab_size: int, k: int) -> int:
+    """Elias-Fano's low part, in bits: floor(log2(vocab_size / k)), at least 0."""
+    return max(0, (vocab_size // k).bit_length() - 1)
+
+
+def high_values(vocab_size: int, k: int) -> int:
+    """How many values an index's high part takes: ``((vocab_size - 1) >> low_bits) + 1``."""
+    return ((vocab_size - 1) >> low_bits(vocab_size, k)) + 1
+
+
+def index_bits(vocab_size: int) -> int:
+    return max(1, (vocab_size - 1).bit_length())
+
+
+def _section_bytes(bits: int) -> int:
+    return (bits + 7) // 8
+
+
+def payload_bytes(counts: np.ndarray, width: int, vocab_size: int, k: int) -> int:
+    """The payload size of rows with these kept ``counts`` and code ``width``."""
+    entries = int(counts.sum())
+    unary = entries + len(counts) * high_values(vocab_size, k)
+    return _section_bytes(unary) + bitpack.padded_bytes(entries, low_bits(vocab_size, k) + width)
+
+
+# -- float32 <-> an integer that grows as the value falls ---------------------------------
+
+def _descending_key(values: np.ndarray) -> np.ndarray:
+    bits = values.astype(np.float32).view(np.uint32)
+    negative = (bits >> np.uint32(31)).astype(bool)
+    ascending = np.where(negative, ~bits, bits | np.uint32(0x80000000))
+    return ~ascending
+
+
+def _from_descending_key(keys: np.ndarray) -> np.ndarray:
+    ascending = ~keys.astype(np.uint32)
+    positive = (ascending >> np.uint32(31)).astype(bool)
+    bits = np.where(positive, ascending & np.uint32(0x7FFFFFFF), ~ascending)
+    return bits.view(np.float32)
+
+
+# -- encoding -----------------------------------------------------------------------------
+
+def encode(codec: str, indices: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
+           vocab_size: int, k: int, step: float | None = None):
+    """Encode one sequence's rows: ``indices`` / ``logprobs`` are the kept entries of every
+    row, row after row (int64 / float32 ``[E]``, in any order within a row), ``counts`` the
+    entries per row ``[R]``; ``step`` the compact codec's (default :data:`COMPACT_STEP`).
+    Returns ``(payload uint8, row_base [R] (float32 or int32),
+    width)``, ``width`` the sequence's code byte."""
+    rows = len(counts)
+    row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
+    order = np.lexsort((indices, row_of))  # by row, then by index
+    indices, logprobs = indices[order], logprobs[order]
+    starts = np.zeros(rows + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    entry = np.arange(len(indices), dtype=np.int64)
+    low, hv = low_bits(vocab_size, k), high_values(vocab_size, k)
+    unary = bitpack.pack_unary((indices >> low) + entry + row_of * hv, len(indices) + rows * hv)
+    if codec == "exact":
+        codes, base, width = _exact_codes(logprobs, row_of, starts, rows)
+    else:
+        codes, base, width = _compact_codes(logprobs, row_of, starts, rows,
+                                            COMPACT_STEP if step is None else step)
+    fields = (codes.astype(np.uint64) << np.uint64(low)) | (indices & ((1 << low) - 1)).astype(
+        np.uint64)
+    return np.concatenate([unary, bitpack.pack(fields, (width & WIDTH_MASK) + low)]), base, width
+
+
+def _row_reduce(ufunc, values, starts, rows, empty):
+    """``ufunc.reduceat`` over each row's entries, ``empty`` for rows with none."""
+    out = np.full(rows, empty, dtype=values.dtype)
+    nonempty = starts[1:] > starts[:-1]
+    if nonempty.any():
+        out[nonempty] = ufunc.reduceat(values, starts[:-1][nonempty])
+    return out
+
+
+def _width(largest: int) -> int:
+    return max(int(largest), 0).bit_length()
+
+
+def _exact_codes(logprobs, row_of, starts, rows):
+    keys = _descending_key(logprobs).astype(np.int64)
+    base = _row_reduce(np.minimum, keys, starts, rows, 0)
+    codes = keys - base[row_of]
+    width = _width(codes.max(initial=0))
+    return codes, base.astype(np.uint32).view(np.int32), width
+
+
+def _compact_codes(logprobs, row_of, starts, rows, step):
+    values = logprobs.astype(np.float64)
+    finite = np.isfinite(values)
+    top = _row_reduce(np.maximum, np.where(finite, values, -np.inf), starts, rows, -np.inf)
+    has_finite = np.isfinite(top)
+    top = np.where(has_finite, top, 0.0)
+    steps = np.minimum(np.rint((top[row_of] - values) / step), MAX_STEPS)
+    steps = np.where(finite, steps, 0).astype(np.int64)
+    # the kept mass before and after rounding, relative to the row's largest entry
+    before = np.bincount(row_of[finite], np.exp(values[finite] - top[row_of[finite]]),
+                         minlength=rows)
+    after = np.bincount(row_of[finite], np.exp(-steps[finite] * step), minlength=rows)
+    with np.errstate(divide="ignore", invalid="ignore"):  # (rows without a finite entry)
+        base = np.where(has_finite, top + np.log(before) - np.log(after), 0.0)
+    infinite = not bool(finite.all())
+    width = _width(steps.max(initial=0) + infinite)
+    codes = np.where(finite, steps, (1 << width) - 1)
+    return codes, base.astype(np.float32), width | (NEG_INF_FLAG if infinite else 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _unary_offsets(rows: int, k: int, hv: int) -> np.ndarray:
+    """Where the ``high = 0`` bit of each entry of full rows lies in the unary bitmap."""
+    return (np.arange(rows, dtype=np.int64)[:, None] * (k + hv)
+            + np.arange(k, dtype=np.int64)).reshape(-1)
+
+
+# -- decoding -----------------------------------------------------------------------------
+
+def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
+           counts: np.ndarray | None, vocab_size: int, k: int, step: float | None = None):
+    """Decode one sequence: ``(indices int64 [R, K], logprobs float32 [R, K])``, each row
+    ordered by log-prob descending, ties by lower index; unused slots ``-1`` / ``-inf``.
+    ``counts`` None: every row keeps ``k`` entries; ``step``: the compact codec's step (the
+    manifest's ``logprob_step``; default :data:`COMPACT_STEP`). Raises ValueError when the
+    payload does not hold what the row arrays say."""
+    rows = len(row_base)
+    full = counts is None
+    if not full:
+        counts = counts.astype(np.int64)
+    entries = rows * k if full else int(counts.sum())
+    bits = width & WIDTH_MASK
+    hv, low = high_values(vocab_size, k), low_bits(vocab_size, k)
+    expected = (_section_bytes(entries + rows * hv)
+                + bitpack.padded_bytes(entries, low + bits))  # (payload_bytes, unrolled)
+    if len(payload) != expected or bits > 32 or bits + low > 57:
+        raise ValueError(f"the payload has {len(payload)} bytes and code width {bits}, its "
+                         f"rows need {expected} bytes and a width of at most 32")
+    unary_bits = entries + rows * hv
+    at = _section_bytes(unary_bits)
+    ones = bitpack.unpack_unary(payload[:at], unary_bits)
+    if len(ones) != entries:
+        raise ValueError(f"the index bitmap holds {len(ones)} entries, the rows {entries}")
+    fields = bitpack.unpack(payload[at:], entries, bits + low)
+    shift = low + max(1, (hv - 1).bit_length())  # the key: code, then index
+    if bits + shift > 31:
+        fields = fields.astype(np.uint64)  # (a no-op when the fields are already)
+    word = fields.dtype.type
+    high = np.empty(entries, word)
+    if full:
+        np.subtract(ones, _unary_offsets(rows, k, hv), out=high, casting="unsafe")
+    else:
+        row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
+        np.subtract(ones, np.arange(entries, dtype=np.int64) + row_of * hv, out=high,
+                    casting="unsafe")
+    high <<= word(low)
+    key = fields >> word(low)
+    key <<= word(shift)
+    fields &= word((1 << low) - 1)
+    key |= fields
+    key |= high
+    key = key.view(np.int32 if word is np.uint32 else np.int64)  # (the top bit is clear)
+    if full:
+        key = key.reshape(rows, k)
+    else:
+        starts = np.cumsum(counts) - counts
+        padded = np.full((rows, k), np.iinfo(key.dtype).max, key.dtype)
+        padded[row_of, np.arange(entries) - starts[row_of]] = key
+        key = padded
+    key.sort(axis=1)  # (an int32 sort is twice as fast as an int64 one)
+    out_indices = np.bitwise_and(key, (1 << shift) - 1, dtype=np.int64)
+    out_codes = key >> shift
+    if codec == "exact":
+        logprobs = _from_descending_key(out_codes.astype(np.uint32)
+                                        + row_base.view(np.uint32)[:, None])
+    else:
+        step = COMPACT_STEP if step is None else step
+        logprobs = np.multiply(out_codes, np.float32(-step), dtype=np.float32)
+        logprobs += row_base[:, None]
+        if width & NEG_INF_FLAG:
+            logprobs[out_codes == (1 << bits) - 1] = -math.inf
+    if not full:
+        unused = np.arange(k)[None, :] >= counts[:, None]
+        out_indices[unused] = -1
+        logprobs[unused] = -math.inf
+    return out_indices, logprobs
