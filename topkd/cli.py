@@ -57,14 +57,21 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                        "any, tokenizes text samples)")
     build.add_argument("--data", required=True, metavar="FILE",
                        help="JSON Lines, Parquet or text file")
-    build.add_argument("--k", required=True, type=_int_at_least(1),
-                       help="entries kept per token row")
+    rows = build.add_mutually_exclusive_group(required=True)
+    rows.add_argument("--k", type=_int_at_least(1), help="entries kept per token row")
+    rows.add_argument("--samples", type=_int_at_least(1), metavar="N",
+                      help="instead of --k: N tokens drawn per position from the teacher "
+                      "(RS-KD, topkd.sample_teacher), stored as distinct ids and counts; "
+                      "trains forward KL only")
     build.add_argument("--out", required=True, metavar="DIR",
                        help="the store's directory (created, or resumed)")
     build.add_argument("--top-p", type=_float_in("--top-p", 0.0, 1.0), metavar="P",
                        help="also cut each row at top-p mass (variable K per row)")
     build.add_argument("--top-p-min-k", type=_int_at_least(1), default=1, metavar="N",
                        help="with --top-p, always keep at least N entries (default 1)")
+    build.add_argument("--seed", type=int, default=0,
+                       help="with --samples: the draws' seed (each sequence's from (seed, its "
+                       "sample id); default 0)")
     build.add_argument("--temperature", type=_float_in("--temperature", 0.0, None),
                        default=1.0, metavar="T", help="teacher temperature (default 1)")
     build.add_argument("--batch-size", type=_int_at_least(1), default=8, metavar="B",
@@ -216,7 +223,8 @@ def _build(parser, args) -> int:
 
     try:
         summary = build_store(
-            args.teacher, args.data, args.out, k=args.k, top_p=args.top_p,
+            args.teacher, args.data, args.out, k=args.k, samples=args.samples,
+            seed=args.seed, top_p=args.top_p,
             top_p_min_k=args.top_p_min_k, temperature=args.temperature,
             batch_size=args.batch_size, max_length=args.max_length,
             padding_free=args.padding_free, codec=_codec_arg(parser, args),

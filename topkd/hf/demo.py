@@ -211,7 +211,7 @@ class DemoResult:
     store_seconds: float = 0.0
     seconds: float = 0.0
     samples: int = SAMPLES
-    sampled_bytes: int = 0  # the sampled rows' bytes (0: no sampled run)
+    sampled_bytes: int = 0  # the sampled store's bytes (0: no sampled run)
     sampled_seconds: float = 0.0
 
 
@@ -331,8 +331,9 @@ def run_demo(*, steps: int = STEPS, teacher_steps: int | None = None, seed: int 
         stores = dict.fromkeys(runs, store)
         if "sampled" in runs:
             sampled_start = time.perf_counter()
-            stores["sampled"], result.sampled_bytes = _sampled_rows(teacher, train, samples,
-                                                                    seed, progress)
+            stores["sampled"] = os.path.join(out if out is not None else work, "store-sampled")
+            result.sampled_bytes = _build_sampled_store(teacher, train, stores["sampled"],
+                                                        samples, seed, progress)
             result.sampled_seconds = time.perf_counter() - sampled_start
             result.samples = samples
 
@@ -454,18 +455,19 @@ def _build_store(teacher, train: list[dict], path: str, progress: bool) -> int:
 
 
 @torch.no_grad()
-def _sampled_rows(teacher, train: list[dict], samples: int, seed: int, progress: bool):
-    """``samples`` tokens drawn from the teacher per position of every training sequence
-    (seeded by the sequence's id), kept in memory as a :class:`~topkd.store.rows.TeacherRows`;
-    and the bytes those rows take stored (distinct int32 ids, a count byte each, a row
-    length byte and the int32 token id per token: :func:`~topkd.store.rows.sampled_row_bytes`).
-    """
+def _build_sampled_store(teacher, train: list[dict], path: str, samples: int, seed: int,
+                         progress: bool) -> int:
+    """Write ``samples`` tokens drawn from the teacher per position of every training
+    sequence (seeded by ``(seed, its sample id)``) into a new sampled store at ``path``; its
+    size in bytes."""
     from .. import sample_teacher
-    from ..store.rows import TeacherRows, sampled_row_bytes, trimmed
+    from ..store import TeacherStoreWriter
+    from ..store.rows import trimmed
 
     device = _device()
-    rows, tokens = {}, {}
-    with _bar(len(train), f"sampled rows: {samples} draws per token", progress) as bar:
+    shutil.rmtree(path, ignore_errors=True)
+    with TeacherStoreWriter(path, samples=samples, vocab_size=VOCAB_SIZE) as writer, \
+            _bar(len(train), f"store: {samples} tokens drawn per position", progress) as bar:
         for first in range(0, len(train), EVAL_BATCH):
             items = train[first:first + EVAL_BATCH]
             batch = torch.stack([item["input_ids"] for item in items])
@@ -473,11 +475,10 @@ def _sampled_rows(teacher, train: list[dict], samples: int, seed: int, progress:
                                    seed=seed, sample_ids=[item["sample_id"] for item in items])
             drawn = drawn.to("cpu")
             for i, item in enumerate(items):
-                rows[item["sample_id"]] = trimmed(drawn.map(lambda t, i=i: t[i]))
-                tokens[item["sample_id"]] = item["input_ids"]
+                writer.add(item["sample_id"], item["input_ids"],
+                           trimmed(drawn.map(lambda t, i=i: t[i])))
             bar.update(len(items))
-    store = TeacherRows(rows, tokens)
-    return store, sum(sampled_row_bytes(t) for t in rows.values())
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
 
 
 def _config(output_dir: str, **fields):
@@ -563,7 +564,7 @@ def _print_table(result: DemoResult, runs: dict, file, out: str | None) -> None:
         per_token = result.sampled_bytes / max(result.store_tokens, 1)
         topk = result.store_bytes / max(result.store_tokens, 1)
         lines.append(
-            f"Sampled rows ({result.samples} draws per token, distinct ids and counts): "
+            f"Sampled store ({result.samples} draws per token, distinct ids and counts): "
             f"{result.sampled_bytes / 2**20:.1f} MiB, {per_token:.1f} B per token "
             f"(top-{K} store: {topk:.1f} B, x{per_token / topk:.2f}), drawn in "
             f"{result.sampled_seconds:.0f} s.")

@@ -18,9 +18,11 @@ import warnings
 import torch
 
 from .. import _checks
+from ..sampling import sample_teacher
 from ..select import select_topk
-from ..teacher import SparseTeacher
-from .writer import writer_codec
+from ..teacher import SampledTeacher, SparseTeacher
+from .rows import trimmed
+from .writer import MAX_SAMPLES, writer_codec
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -32,7 +34,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
 # Metadata a resumed build must agree with: mixing them in one store would mix targets.
 RESUME_METADATA = ("teacher", "teacher_fingerprint", "model_type", "model_dtype",
-                   "max_length")
+                   "max_length", "seed")
 
 
 def data_format(path: str) -> str:
@@ -280,7 +282,8 @@ class _Progress:
             self.bar.close()
 
 
-def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
+def build_store(teacher_dir, data, out, *, k: int | None = None, samples: int | None = None,
+                seed: int = 0, top_p: float | None = None,
                 top_p_min_k: int = 1, temperature: float = 1.0, batch_size: int = 8,
                 max_length: int | None = None, padding_free: bool = False,
                 codec: str | None = None, logprob_dtype: str | None = None,
@@ -295,6 +298,10 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
         data: a JSON Lines, Parquet or text file (see :func:`read_samples`).
         out: the store's directory, created or resumed.
         k, top_p, top_p_min_k, temperature: :func:`topkd.select_topk`'s settings.
+        samples, seed: instead of ``k``: store ``samples`` tokens drawn per position from the
+            teacher at ``temperature`` (RS-KD, :func:`topkd.sample_teacher`), each sequence's
+            draws seeded by ``(seed, its sample id)``: the same rows whatever the batching,
+            the ranks or a resumed run.
         batch_size: sequences per forward pass (right-padded with an attention mask).
         max_length: truncate every sequence (text or given ids) to this many tokens.
         padding_free: run each batch packed into one row (``position_ids`` restarting at each
@@ -322,12 +329,23 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
     ``seconds``, ``rank``, ``world_size``, ``path``.
     """
     start = time.perf_counter()
-    k = _checks.integer("k", k, 1)
+    if (k is None) == (samples is None):
+        raise ValueError(f"give exactly one of k (top-K rows) and samples (sampled rows), got "
+                         f"k={k!r}, samples={samples!r}")
+    if samples is None:
+        k = _checks.integer("k", k, 1)
+        # (what the writer checks again, checked here before a model is loaded)
+        writer_codec(codec, logprob_dtype)
+    else:
+        samples = _checks.integer("samples", samples, 1, MAX_SAMPLES)
+        if top_p is not None or codec is not None or logprob_dtype is not None:
+            raise ValueError("samples stores drawn tokens: top_p, codec and logprob_dtype "
+                             "apply to top-K rows")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
     batch_size = _checks.integer("batch_size", batch_size, 1)
     if max_length is not None:
         max_length = _checks.integer("max_length", max_length, 1)
-    # (what the writer checks again, checked here before a model is loaded)
-    writer_codec(codec, logprob_dtype)
     _checks.temperature(temperature)
     _checks.top_p(top_p, top_p_min_k)
     _checks.integer("shard_bytes", shard_bytes, 1)
@@ -350,7 +368,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
-        return _build(teacher_dir, data, out, k=k, top_p=top_p, top_p_min_k=top_p_min_k,
+        return _build(teacher_dir, data, out, k=k, samples=samples, seed=seed, top_p=top_p,
+                      top_p_min_k=top_p_min_k,
                       temperature=temperature, batch_size=batch_size, max_length=max_length,
                       padding_free=padding_free, codec=codec, logprob_dtype=logprob_dtype,
                       text_field=text_field, id_field=id_field,
@@ -364,7 +383,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
             dist.destroy_process_group()
 
 
-def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_size,
+def _build(teacher_dir, data, out, *, k, samples, seed, top_p, top_p_min_k, temperature,
+           batch_size,
            max_length, padding_free, codec, logprob_dtype, text_field, id_field, ids_field,
            dtype, device,
            shard_bytes, store_tokens, progress, rank, world, start) -> dict:
@@ -393,8 +413,10 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
     metadata = _metadata(teacher_dir, model, data, max_length, tokenizer)
     metadata["padding_free"] = padding_free
 
+    if samples is not None:
+        metadata["seed"] = seed
     writer = TeacherStoreWriter(
-        out, k=k, vocab_size=vocab, top_p=top_p, top_p_min_k=top_p_min_k,
+        out, k=k, samples=samples, vocab_size=vocab, top_p=top_p, top_p_min_k=top_p_min_k,
         temperature=temperature, codec=codec, logprob_dtype=logprob_dtype,
         tokenizer_fingerprint=None if tokenizer is None else tokenizer_fingerprint(tokenizer),
         store_tokens=store_tokens, metadata=metadata, match_metadata=RESUME_METADATA,
@@ -418,8 +440,18 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
                 warnings.warn(f"a sequence has {longest} tokens, more than the teacher's "
                               f"max_position_embeddings={max_positions}; pass max_length",
                               stacklevel=2)
-            teachers = _teachers(model, ids, pad_id, device, width, k=k, top_p=top_p,
-                                 top_p_min_k=top_p_min_k, temperature=temperature, vocab=vocab,
+            if samples is None:
+                def rows(logits, _):
+                    return select_topk(logits, k, top_p=top_p, top_p_min_k=top_p_min_k,
+                                       temperature=temperature, vocab_size=vocab)
+            else:
+                def rows(logits, i):
+                    drawn = sample_teacher(logits[None], samples, temperature=temperature,
+                                           seed=seed, sample_ids=[batch[i][1]],
+                                           vocab_size=vocab)
+                    return trimmed(drawn.map(lambda t: t[0].cpu()))
+            teachers = _teachers(model, ids, pad_id, device, width, rows, k=k or samples,
+                                 samples=samples, temperature=temperature, vocab=vocab,
                                  padding_free=padding_free)
             for (_, sample_id, _, _), seq, teacher in zip(batch, ids, teachers, strict=True):
                 writer.add(sample_id, seq, teacher)
@@ -486,10 +518,11 @@ def _tokenize(batch, tokenizer, max_length, embeddings) -> list[list[int]]:
     return ids
 
 
-def _teachers(model, ids, pad_id, device, width, *, k, top_p, top_p_min_k, temperature,
-              vocab, padding_free=False) -> list[SparseTeacher]:
+def _teachers(model, ids, pad_id, device, width, rows, *, k, samples, temperature, vocab,
+              padding_free=False) -> list:
     """One forward pass over the non-empty sequences (right-padded, or packed in one row),
-    then each sequence's select_topk on its own rows; empty sequences get zero rows."""
+    then ``rows(logits [L_i, V], i)`` on each sequence's own rows (its top-K, or its draws);
+    empty sequences get zero rows."""
     teachers: list = [None] * len(ids)
     live = [i for i, seq in enumerate(ids) if seq]
     if live and padding_free:
@@ -503,9 +536,7 @@ def _teachers(model, ids, pad_id, device, width, *, k, top_p, top_p_min_k, tempe
                                    f"output embeddings {width}")
             start = 0
             for i in live:
-                teachers[i] = select_topk(logits[start:start + len(ids[i])], k, top_p=top_p,
-                                          top_p_min_k=top_p_min_k, temperature=temperature,
-                                          vocab_size=vocab)
+                teachers[i] = rows(logits[start:start + len(ids[i])], i)
                 start += len(ids[i])
             del logits
     elif live:
@@ -522,12 +553,14 @@ def _teachers(model, ids, pad_id, device, width, *, k, top_p, top_p_min_k, tempe
                 raise RuntimeError(f"the teacher's logits have {logits.shape[-1]} columns, its "
                                    f"output embeddings {width}")
             for b, i in enumerate(live):
-                teachers[i] = select_topk(logits[b, :len(ids[i])], k, top_p=top_p,
-                                          top_p_min_k=top_p_min_k, temperature=temperature,
-                                          vocab_size=vocab)
+                teachers[i] = rows(logits[b, :len(ids[i])], i)
             del logits
     for i, seq in enumerate(ids):
-        if not seq:
+        if not seq and samples is not None:
+            teachers[i] = SampledTeacher(torch.empty(0, 1, dtype=torch.int64),
+                                         torch.empty(0, 1, dtype=torch.int32), samples,
+                                         temperature, vocab)
+        elif not seq:
             teachers[i] = SparseTeacher(torch.empty(0, k, dtype=torch.int64),
                                         torch.empty(0, k), torch.empty(0), temperature, vocab)
     return teachers

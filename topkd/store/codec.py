@@ -40,7 +40,7 @@ import numpy as np
 
 from . import bitpack
 
-CODECS = ("compact", "exact")
+CODECS = ("compact", "exact")  # top-K rows; sampled rows have "counts" (encode_counts)
 COMPACT_STEP = 1.0 / 32
 MAX_STEPS = 2**24 - 2
 NEG_INF_FLAG = 0x40
@@ -233,3 +233,56 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
         out_indices[unused] = -1
         logprobs[unused] = -math.inf
     return out_indices, logprobs
+
+
+# -- sampled rows: distinct ids and their counts ------------------------------------------
+
+def encode_counts(indices: np.ndarray, counts: np.ndarray, row_lengths: np.ndarray,
+                  vocab_size: int, samples: int):
+    """Encode one sequence's sampled rows (codec ``"counts"``): ``indices`` the distinct ids
+    drawn of every row, row after row (``[E]``, any order within a row), ``counts`` how often
+    each was drawn (1 to ``samples``), ``row_lengths`` the ids per row ``[R]``. The same two
+    sections as the top-K codecs, with ``k = samples`` and the code ``count - 1`` (4 bits at
+    12 samples). Returns ``(payload uint8, width)``."""
+    rows = len(row_lengths)
+    row_of = np.repeat(np.arange(rows, dtype=np.int64), row_lengths)
+    order = np.lexsort((indices, row_of))  # by row, then by index
+    indices = indices[order].astype(np.int64)
+    codes = counts[order].astype(np.int64) - 1
+    entry = np.arange(len(indices), dtype=np.int64)
+    low, hv = low_bits(vocab_size, samples), high_values(vocab_size, samples)
+    unary = bitpack.pack_unary((indices >> low) + entry + row_of * hv, len(indices) + rows * hv)
+    width = _width(codes.max(initial=0))
+    fields = (codes.astype(np.uint64) << np.uint64(low)) | (indices & ((1 << low) - 1)).astype(
+        np.uint64)
+    return np.concatenate([unary, bitpack.pack(fields, width + low)]), width
+
+
+def decode_counts(payload: np.ndarray, width: int, row_lengths: np.ndarray, vocab_size: int,
+                  samples: int):
+    """Decode one sequence of :func:`encode_counts`: ``(indices int64 [R, samples], counts
+    int32 [R, samples])``, each row's ids ascending, then unused slots ``-1`` / 0. Raises
+    ValueError when the payload does not hold what the row lengths say."""
+    rows = len(row_lengths)
+    row_lengths = np.asarray(row_lengths).astype(np.int64)
+    entries = int(row_lengths.sum())
+    if width > 8 or bool((row_lengths > samples).any()):
+        raise ValueError(f"code width {width} or row lengths above samples={samples}")
+    expected = payload_bytes(row_lengths, width, vocab_size, samples)
+    if len(payload) != expected:
+        raise ValueError(f"the payload has {len(payload)} bytes, its rows need {expected}")
+    low, hv = low_bits(vocab_size, samples), high_values(vocab_size, samples)
+    unary_bits = entries + rows * hv
+    at = _section_bytes(unary_bits)
+    ones = bitpack.unpack_unary(payload[:at], unary_bits)
+    if len(ones) != entries:
+        raise ValueError(f"the index bitmap holds {len(ones)} entries, the rows {entries}")
+    fields = bitpack.unpack(payload[at:], entries, width + low).astype(np.int64)
+    row_of = np.repeat(np.arange(rows, dtype=np.int64), row_lengths)
+    high = ones - np.arange(entries, dtype=np.int64) - row_of * hv
+    slot = np.arange(entries, dtype=np.int64) - (np.cumsum(row_lengths) - row_lengths)[row_of]
+    indices = np.full((rows, samples), -1, np.int64)
+    counts = np.zeros((rows, samples), np.int32)
+    indices[row_of, slot] = (high << low) | (fields & ((1 << low) - 1))
+    counts[row_of, slot] = (fields >> low) + 1
+    return indices, counts

@@ -7,7 +7,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .reader import TeacherStore, collate_teachers
+from .reader import TeacherStore
+from .rows import collate_any
 
 
 def require_keys(item, keys: Iterable[str], where: str = "a dataset item") -> None:
@@ -89,7 +90,7 @@ def collate(items, *, pad_to: int | None = None, pad_token_id: int = 0) -> dict:
     items = list(items)
     for item in items:
         require_keys(item, ("sample_id", "input_ids", "teacher"), "topkd.store.collate")
-    teacher = collate_teachers([item["teacher"] for item in items], pad_to=pad_to)
+    teacher = collate_any([item["teacher"] for item in items], pad_to=pad_to)
     batch, length = teacher.indices.shape[:2]
     input_ids = torch.full((batch, length), pad_token_id, dtype=torch.int64)
     for b, item in enumerate(items):

@@ -25,7 +25,12 @@ which tensors a shard holds. Format 2 (codecs ``"compact"`` and ``"exact"``, see
 - ``crc`` int64 ``[S]``: CRC-32 of each sequence's bytes in ``payload``, ``row_base``,
   ``rest_logprob`` and ``counts`` (:data:`CRC_TENSORS_V2`).
 
-The manifest's ``kind`` says what a row holds: ``"topk"``, a teacher's K most probable entries.
+The manifest's ``kind`` says what a row holds: ``"topk"``, a teacher's K most probable entries;
+or ``"sampled"`` (codec ``"counts"``, format 2), the distinct tokens drawn from the teacher
+``samples`` times per position and how often each was drawn (RS-KD,
+:class:`~topkd.SampledTeacher`). A sampled shard has no ``row_base`` and no ``rest_logprob``
+(no base, no ghost): its ``counts`` ``[T]`` (uint8, always present) are the distinct ids per
+row, and its CRC-32s cover ``payload`` and ``counts`` (:data:`CRC_TENSORS_SAMPLED`).
 
 Format 1 (codec ``"plain"``, a fixed width per entry; still read and resumed):
 
@@ -65,7 +70,8 @@ FORMAT_VERSION = 2  # what compact and exact stores are written in
 PLAIN_VERSION = 1  # fixed-width entries: codec "plain", with a logprob_dtype
 READABLE_VERSIONS = (PLAIN_VERSION, FORMAT_VERSION)
 CODECS = ("compact", "exact", "plain")
-KINDS = ("topk",)
+KINDS = ("topk", "sampled")
+SAMPLED_CODEC = "counts"  # the codec of every sampled store
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
 SHARD_PATTERN = re.compile(r"^shard-(?P<writer>[A-Za-z0-9_.-]+)-(?P<number>\d{6,})\.safetensors$")
@@ -81,14 +87,18 @@ CRC_TENSORS_V2 = ("payload", "row_base", "rest_logprob", "counts")
 ROW_TENSORS_V2 = CRC_TENSORS_V2 + (TOKENS,)
 SEQUENCE_TENSORS_V2 = ("seq_rows", "seq_bytes", "seq_width", "token_hash", "crc")
 REQUIRED_TENSORS_V2 = ("payload", "row_base", "rest_logprob") + SEQUENCE_TENSORS_V2
+# sampled rows (kind "sampled", format 2)
+CRC_TENSORS_SAMPLED = ("payload", "counts")
+ROW_TENSORS_SAMPLED = CRC_TENSORS_SAMPLED + (TOKENS,)
+REQUIRED_TENSORS_SAMPLED = CRC_TENSORS_SAMPLED + SEQUENCE_TENSORS_V2
 TOKEN_DTYPE = torch.int32
 LOGPROB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
 TOKEN_HASH = "blake2b-128 of the token ids as int64 little-endian"
 
 # The settings a reader may insist on, in the order errors name them.
-SETTINGS = ("kind", "codec", "vocab_size", "k", "top_p", "top_p_min_k", "temperature",
-            "logprob_dtype", "tokenizer_fingerprint", "store_tokens")
+SETTINGS = ("kind", "codec", "vocab_size", "k", "samples", "top_p", "top_p_min_k",
+            "temperature", "logprob_dtype", "tokenizer_fingerprint", "store_tokens")
 
 
 def shard_name(writer: str, number: int) -> str:
@@ -150,6 +160,12 @@ def crc_parts_v2(tensors: dict, rows, starts, i: int) -> list:
     if "counts" in tensors:
         parts.append(tensors["counts"][r0:r1])
     return parts
+
+
+def crc_parts_sampled(tensors: dict, rows, starts, i: int) -> list:
+    """Sequence ``i``'s parts of a sampled shard's :data:`CRC_TENSORS_SAMPLED`."""
+    r0, r1, b0, b1 = int(rows[i]), int(rows[i + 1]), int(starts[i]), int(starts[i + 1])
+    return [tensors["payload"][b0:b1], tensors["counts"][r0:r1]]
 
 
 def crc(tensors) -> int:
@@ -227,10 +243,14 @@ def read_manifest(path: str) -> dict:
     if manifest["format_version"] == PLAIN_VERSION:  # written before codecs existed
         manifest.setdefault("codec", "plain")
         manifest.setdefault("kind", "topk")
-    if manifest.get("kind") not in KINDS or manifest.get("codec") not in CODECS:
+    manifest.setdefault("samples", None)  # top-K stores
+    sampled = manifest.get("kind") == "sampled"
+    if manifest.get("kind") not in KINDS or manifest.get("codec") not in CODECS + (
+            SAMPLED_CODEC,) or sampled != (manifest.get("codec") == SAMPLED_CODEC) or (
+            sampled and manifest["format_version"] == PLAIN_VERSION):
         raise ValueError(f"{file} holds rows of kind={manifest.get('kind')!r} and codec="
                          f"{manifest.get('codec')!r}; this topkd reads kinds {list(KINDS)} "
-                         f"and codecs {list(CODECS)}")
+                         f"with codecs {list(CODECS)} (topk) and {SAMPLED_CODEC!r} (sampled)")
     return manifest
 
 

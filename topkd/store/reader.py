@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ..teacher import SparseTeacher
+from ..teacher import SampledTeacher, SparseTeacher
 from . import format as fmt
 from .shard import Shard, read_shard_ids, shard_ids  # noqa: F401  (read_shard_ids: re-exported)
 
@@ -64,7 +64,19 @@ class TeacherStore:
 
     @property
     def k(self) -> int:
+        """Entries per row (top-K), or slots per row (sampled: ``samples``)."""
         return self.manifest["k"]
+
+    @property
+    def kind(self) -> str:
+        """``"topk"`` (rows of :class:`~topkd.SparseTeacher`) or ``"sampled"``
+        (:class:`~topkd.SampledTeacher`)."""
+        return self.manifest["kind"]
+
+    @property
+    def samples(self) -> int | None:
+        """Tokens drawn per position of a sampled store (None for top-K rows)."""
+        return self.manifest["samples"]
 
     @property
     def temperature(self) -> float:
@@ -165,10 +177,11 @@ class TeacherStore:
                              f"`topkd store verify {self.path}`")
         return ids
 
-    def get(self, sample_id, input_ids=None) -> SparseTeacher:
+    def get(self, sample_id, input_ids=None) -> SparseTeacher | SampledTeacher:
         """The stored teacher of one sequence: a :class:`~topkd.SparseTeacher` ``[L, K]``
         (indices int64, logprobs float32 widened from the store's dtype, unused slots ``-1`` /
-        ``-inf``).
+        ``-inf``); in a sampled store a :class:`~topkd.SampledTeacher` ``[L, samples]`` (ids
+        ascending, then ``-1`` slots with count 0; no log-probs).
 
         With ``input_ids`` (the tokens the student will see), their hash must equal the stored
         one: a store row never meets tokens it was not computed from.
@@ -190,12 +203,14 @@ class TeacherStore:
                              f"{shard.file} is damaged (CRC-32 mismatch); run "
                              f"`topkd store verify {self.path}`")
         try:
-            indices, logprobs, rest = shard.rows(parts, position)
+            rows = shard.rows(parts, position)
         except ValueError as e:  # only without verify_reads: the CRC-32 would have caught it
             raise ValueError(f"sample_id {sample_id!r}: its data in teacher store shard "
                              f"{shard.file} is damaged ({e}); run "
                              f"`topkd store verify {self.path}`") from None
-        return SparseTeacher(indices, logprobs, rest, self.temperature, self.vocab_size)
+        if self.kind == "sampled":
+            return SampledTeacher(*rows, self.samples, self.temperature, self.vocab_size)
+        return SparseTeacher(*rows, self.temperature, self.vocab_size)
 
     def collate(self, sample_ids, *, input_ids=None, pad_to: int | None = None) -> SparseTeacher:
         """The teachers of several sequences as one batch ``[B, L, K]``, padded to the longest
@@ -211,8 +226,10 @@ class TeacherStore:
             raise ValueError(f"input_ids has {len(input_ids)} sequences for "
                              f"{len(sample_ids)} sample ids")
         teachers = [self.get(s, ids) for s, ids in zip(sample_ids, input_ids, strict=True)]
-        return collate_teachers(teachers, pad_to=pad_to, k=self.k, vocab_size=self.vocab_size,
-                                temperature=self.temperature)
+        from .rows import collate_any
+
+        return collate_any(teachers, pad_to=pad_to, k=self.k, vocab_size=self.vocab_size,
+                           temperature=self.temperature, samples=self.samples)
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -56,8 +56,10 @@ class Shard:
         self.k, self.vocab_size = manifest["k"], manifest["vocab_size"]
         self.codec, self.step = manifest["codec"], manifest.get("logprob_step")
         self.v2 = manifest["format_version"] != fmt.PLAIN_VERSION
+        self.sampled = manifest["kind"] == "sampled"
         sequence_tensors = fmt.SEQUENCE_TENSORS_V2 if self.v2 else fmt.SEQUENCE_TENSORS
-        row_tensors = fmt.ROW_TENSORS_V2 if self.v2 else fmt.ROW_TENSORS
+        row_tensors = (fmt.ROW_TENSORS_SAMPLED if self.sampled else
+                       fmt.ROW_TENSORS_V2 if self.v2 else fmt.ROW_TENSORS)
         self.handle = open_file(path, file)
         keys = set(self.handle.keys())
         self.has_counts = "counts" in keys
@@ -88,6 +90,9 @@ class Shard:
     def parts(self, i: int) -> dict:
         r0, r1 = self.seq_rows[i], self.seq_rows[i + 1]
         e0, e1 = self.seq_starts[i], self.seq_starts[i + 1]
+        if self.sampled:
+            return {"payload": self.slices["payload"][e0:e1],
+                    "counts": self.slices["counts"][r0:r1]}
         first = ("payload", "row_base") if self.v2 else ("indices", "logprobs")
         parts = {first[0]: self.slices[first[0]][e0:e1]}
         parts[first[1]] = self.slices[first[1]][r0:r1] if self.v2 else \
@@ -98,6 +103,10 @@ class Shard:
         return parts
 
     def rows(self, parts: dict, i: int):
+        if self.sampled:  # (indices int64 [L, samples], counts int32 [L, samples])
+            indices, counts = codec.decode_counts(parts["payload"], self.seq_width[i],
+                                                  parts["counts"], self.vocab_size, self.k)
+            return torch.from_numpy(indices), torch.from_numpy(counts)
         if self.v2:
             indices, logprobs = codec.decode(self.codec, parts["payload"], parts["row_base"],
                                              self.seq_width[i], parts.get("counts"),

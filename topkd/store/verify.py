@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import torch
 
 from . import codec
 from . import format as fmt
@@ -51,7 +52,9 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
         except (KeyError, json.JSONDecodeError):
             raise bad("header metadata (sha256) missing or unreadable") from None
         v2 = manifest["format_version"] != fmt.PLAIN_VERSION
-        required = fmt.REQUIRED_TENSORS_V2 if v2 else fmt.REQUIRED_TENSORS
+        sampled = manifest["kind"] == "sampled"
+        required = (fmt.REQUIRED_TENSORS_SAMPLED if sampled else
+                    fmt.REQUIRED_TENSORS_V2 if v2 else fmt.REQUIRED_TENSORS)
         missing = [name for name in required if name not in handle.keys()]
         if missing:
             raise bad(f"tensors {missing} are missing")
@@ -62,7 +65,7 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
     for name, t in tensors.items():
         if fmt.sha256(t) != hashes[name]:
             raise bad(f"tensor {name!r} does not match its SHA-256 (the file was altered)")
-    check = _check_rows_v2 if v2 else _check_rows_v1
+    check = _check_rows_sampled if sampled else _check_rows_v2 if v2 else _check_rows_v1
     check(tensors, ids, manifest, bad)
     tokens = tensors.get(fmt.TOKENS)
     rows = tensors["seq_rows"].tolist()
@@ -100,6 +103,38 @@ def _check_rows_v1(tensors, ids, manifest, bad) -> None:
     for i, sample_id in enumerate(ids):
         if fmt.crc(fmt.crc_parts(tensors, rows, entries, i)) != int(tensors["crc"][i]):
             raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
+
+
+def _check_rows_sampled(tensors, ids, manifest, bad) -> None:
+    """The offsets and lengths agree, every CRC-32 holds, and every sequence decodes to rows
+    of distinct in-vocabulary ids whose counts sum to ``samples``."""
+    rows, starts = tensors["seq_rows"].tolist(), tensors["seq_bytes"].tolist()
+    samples, vocab = manifest["samples"], manifest["vocab_size"]
+    lengths = tensors["counts"]
+    consistent = (
+        len(rows) == len(starts) == len(ids) + 1 and rows[0] == starts[0] == 0
+        and rows == sorted(rows) and starts == sorted(starts)
+        and rows[-1] == lengths.shape[0] and starts[-1] == tensors["payload"].shape[0]
+        and lengths.dtype == torch.uint8
+        and tuple(tensors["seq_width"].shape) == (len(ids),)
+        and tuple(tensors["token_hash"].shape) == (len(ids), 16)
+        and tensors["crc"].shape[0] == len(ids)
+    )
+    if not consistent:
+        raise bad("sequence offsets, counts and array lengths disagree")
+    for i, sample_id in enumerate(ids):
+        if fmt.crc(fmt.crc_parts_sampled(tensors, rows, starts, i)) != int(tensors["crc"][i]):
+            raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
+        r0, r1 = rows[i], rows[i + 1]
+        try:
+            indices, counts = codec.decode_counts(
+                tensors["payload"][starts[i]:starts[i + 1]].numpy(),
+                int(tensors["seq_width"][i]), lengths[r0:r1].numpy(), vocab, samples)
+        except ValueError as e:
+            raise bad(f"sample_id {sample_id!r}: {e}") from None
+        if (indices >= vocab).any() or (counts.sum(-1) != samples).any():
+            raise bad(f"sample_id {sample_id!r}: ids outside the vocabulary or counts that do "
+                      f"not sum to samples={samples}")
 
 
 def _check_rows_v2(tensors, ids, manifest, bad) -> None:

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 
 from .. import _checks
-from ..teacher import SparseTeacher
+from ..teacher import SampledTeacher, SparseTeacher
 from . import codec as row_codec
 from . import format as fmt
 from .shard import read_shard_ids
@@ -25,6 +25,11 @@ class TeacherStoreWriter:
         path: the store's directory (created if missing). Several writers may share it if each
             has its own ``name``; the reader sees the union of their shards.
         k: entries per row (the ``k`` given to :func:`topkd.select_topk`).
+        samples: instead of ``k``: a store of sampled rows (kind ``"sampled"``), the distinct
+            tokens of ``samples`` draws per position and their counts, as
+            :func:`topkd.sample_teacher` makes them (:class:`~topkd.SampledTeacher`); codec
+            ``"counts"`` (ids Elias-Fano coded, a count in ``bit_length(samples - 1)`` bits,
+            one byte per row), no top-p, no ghost.
         vocab_size: the vocabulary the teacher was normalized over, up to ``2**31 - 2``.
         top_p, top_p_min_k, temperature: the selection's settings, recorded in the manifest;
             every added teacher must have this ``k``, temperature and vocabulary.
@@ -60,17 +65,32 @@ class TeacherStoreWriter:
     are refused at their first shard (and closed, their rows dropped).
     """
 
-    def __init__(self, path: str, *, k: int, vocab_size: int, top_p: float | None = None,
+    def __init__(self, path: str, *, k: int | None = None, vocab_size: int,
+                 samples: int | None = None, top_p: float | None = None,
                  top_p_min_k: int = 1, temperature: float = 1.0, codec: str | None = None,
                  logprob_dtype: str | None = None, tokenizer_fingerprint: str | None = None,
                  store_tokens: bool = True, metadata: dict | None = None,
                  match_metadata: Iterable[str] = (), name: str | None = None,
                  shard_bytes: int = 256 * 2**20):
         vocab_size = _checks.integer("vocab_size", vocab_size, 1, _checks.MAX_VOCAB)
-        k = _checks.integer("k", k, 1, vocab_size)
+        if (k is None) == (samples is None):
+            raise ValueError(f"give exactly one of k (top-K rows) and samples (sampled rows), "
+                             f"got k={k!r}, samples={samples!r}")
         temperature = _checks.temperature(temperature)
         top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
-        codec_name, logprob_dtype = writer_codec(codec, logprob_dtype)
+        kind = "topk" if samples is None else "sampled"
+        if kind == "sampled":
+            samples = k = _checks.integer("samples", samples, 1, MAX_SAMPLES)
+            if top_p is not None:
+                raise ValueError(f"top_p={top_p} applies to top-K rows, not to sampled ones")
+            if codec not in (None, fmt.SAMPLED_CODEC) or logprob_dtype is not None:
+                raise ValueError(f"sampled rows are stored with codec={fmt.SAMPLED_CODEC!r} "
+                                 f"(ids and counts), not codec={codec!r} / logprob_dtype="
+                                 f"{logprob_dtype!r}")
+            codec_name = fmt.SAMPLED_CODEC
+        else:
+            k = _checks.integer("k", k, 1, vocab_size)
+            codec_name, logprob_dtype = writer_codec(codec, logprob_dtype)
         if tokenizer_fingerprint is not None and not isinstance(tokenizer_fingerprint, str):
             raise TypeError(f"tokenizer_fingerprint must be a str or None, got "
                             f"{type(tokenizer_fingerprint).__name__}")
@@ -88,9 +108,9 @@ class TeacherStoreWriter:
 
         self.path = os.fspath(path)
         os.makedirs(self.path, exist_ok=True)
-        self.settings = {"kind": "topk", "codec": codec_name, "vocab_size": vocab_size, "k": k,
-                         "top_p": top_p, "top_p_min_k": top_p_min_k, "temperature": temperature,
-                         "logprob_dtype": logprob_dtype,
+        self.settings = {"kind": kind, "codec": codec_name, "vocab_size": vocab_size, "k": k,
+                         "samples": samples, "top_p": top_p, "top_p_min_k": top_p_min_k,
+                         "temperature": temperature, "logprob_dtype": logprob_dtype,
                          "tokenizer_fingerprint": tokenizer_fingerprint,
                          "store_tokens": store_tokens}
         try:
@@ -130,7 +150,11 @@ class TeacherStoreWriter:
                       "index_coding": "elias-fano, entries sorted by index within a row"}
             if self.settings["codec"] == "compact":
                 layout["logprob_step"] = row_codec.COMPACT_STEP
-        manifest = {"format": fmt.FORMAT, **layout, **self.settings, "rest_dtype": "float32",
+        if self.settings["kind"] == "sampled":
+            layout["count_coding"] = "count - 1 in bit_length(samples - 1) bits"
+        else:
+            layout["rest_dtype"] = "float32"
+        manifest = {"format": fmt.FORMAT, **layout, **self.settings,
                     "token_hash": fmt.TOKEN_HASH, "metadata": metadata}
         if self.settings["store_tokens"]:
             manifest["input_ids_dtype"] = "int32"
@@ -213,9 +237,10 @@ class TeacherStoreWriter:
         """Sequences stored by every writer before this one opened, and added by this one."""
         return len(self._stored)
 
-    def add(self, sample_id, input_ids, teacher: SparseTeacher) -> None:
+    def add(self, sample_id, input_ids, teacher: SparseTeacher | SampledTeacher) -> None:
         """Store one sequence: its id (str or int), its token ids ``[L]`` and its teacher rows
-        (a :class:`~topkd.SparseTeacher` with leading shape ``[L]``, from the same tokens).
+        (a :class:`~topkd.SparseTeacher` with leading shape ``[L]``, from the same tokens; a
+        :class:`~topkd.SampledTeacher` ``[L, S]`` in a store of ``samples``).
         The token ids are stored too (as int32) unless the writer has ``store_tokens=False``;
         their hash is stored in every case.
 
@@ -242,6 +267,8 @@ class TeacherStoreWriter:
 
     def _rows(self, sample_id, teacher, length: int) -> dict:
         """Validate one sequence's teacher and pack its rows (the parts its CRC-32 covers)."""
+        if self.settings["kind"] == "sampled":
+            return self._sampled_rows(sample_id, teacher, length)
         if not isinstance(teacher, SparseTeacher):
             raise TypeError(f"teacher must be a topkd.SparseTeacher, got "
                             f"{type(teacher).__name__}")
@@ -297,6 +324,40 @@ class TeacherStoreWriter:
         return {"payload": torch.from_numpy(payload), "row_base": torch.from_numpy(base),
                 "rest_logprob": rest, "counts": counts, "width": width}
 
+    def _sampled_rows(self, sample_id, teacher, length: int) -> dict:
+        """Validate one sequence's :class:`~topkd.SampledTeacher` and encode its rows."""
+        if not isinstance(teacher, SampledTeacher):
+            raise TypeError(f"the store {self.path} holds sampled rows: teacher must be a "
+                            f"topkd.SampledTeacher (topkd.sample_teacher), got "
+                            f"{type(teacher).__name__}")
+        if teacher.mask is not None and not bool(teacher.mask.all()):
+            raise ValueError(f"sample {sample_id!r}: the teacher has padding rows (its mask); "
+                             f"add each sequence's own rows")
+        s = self.settings
+        for key, have in (("vocab_size", teacher.vocab_size), ("samples", teacher.samples),
+                          ("temperature", teacher.temperature)):
+            if have != s[key]:
+                raise ValueError(f"sample {sample_id!r}: the teacher has {key}={have} but the "
+                                 f"store {self.path} has {key}={s[key]}")
+        shape = tuple(teacher.indices.shape)
+        if len(shape) != 2 or shape[0] != length or shape[1] > s["samples"] or \
+                tuple(teacher.counts.shape) != shape:
+            raise ValueError(f"sample {sample_id!r}: teacher.indices and counts must be "
+                             f"[{length}, S <= {s['samples']}] (one row per token), got "
+                             f"{shape} and {tuple(teacher.counts.shape)}")
+        _checks.sampled_teacher(teacher.map(lambda t: t.detach().cpu()))
+        indices, counts = teacher.indices.detach().cpu(), teacher.counts.detach().cpu()
+        used = counts > 0
+        lengths = used.sum(-1)
+        if not torch.equal(used, torch.arange(shape[1]) < lengths[:, None]):
+            raise ValueError(f"sample {sample_id!r}: unused slots (count 0) must come after "
+                             f"the used ones in each row, as sample_teacher makes them")
+        payload, width = row_codec.encode_counts(
+            indices.masked_select(used).numpy(), counts.masked_select(used).numpy(),
+            lengths.numpy(), s["vocab_size"], s["samples"])
+        return {"payload": torch.from_numpy(payload), "counts": lengths.to(torch.uint8),
+                "width": width}
+
     def _tokens(self, sample_id, input_ids) -> torch.Tensor:
         ids = torch.as_tensor(input_ids).cpu().to(torch.int64).reshape(-1)
         info = torch.iinfo(fmt.TOKEN_DTYPE)
@@ -315,13 +376,15 @@ class TeacherStoreWriter:
         ids = [p[0] for p in self._pending]
         parts = [p[2] for p in self._pending]
         v2 = self.settings["codec"] != "plain"
+        sampled = self.settings["kind"] == "sampled"
         tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0] if n != "width"}
-        rows = torch.tensor([0] + [len(p["rest_logprob"]) for p in parts]).cumsum(0)
+        rows = torch.tensor([0] + [len(p["counts"]) for p in parts]).cumsum(0)
         first = "payload" if v2 else "indices"
         starts = torch.tensor([0] + [len(p[first]) for p in parts]).cumsum(0)
-        if bool((tensors["counts"] == self.settings["k"]).all()):
+        if not sampled and bool((tensors["counts"] == self.settings["k"]).all()):
             del tensors["counts"]  # every row full: the counts say nothing
-        crc_parts = fmt.crc_parts_v2 if v2 else fmt.crc_parts
+        crc_parts = (fmt.crc_parts_sampled if sampled else
+                     fmt.crc_parts_v2 if v2 else fmt.crc_parts)
         crcs = [fmt.crc(crc_parts(tensors, rows, starts, i)) for i in range(len(ids))]
         tensors["seq_rows"] = rows
         if v2:
@@ -370,6 +433,9 @@ class TeacherStoreWriter:
         # Closed by an error: keep what was added, but a store with nothing in it stays
         # unbound, so a corrected run may choose other settings.
         self._close(bind=exc_type is None)
+
+
+MAX_SAMPLES = 255  # a row's distinct ids fit its uint8 count
 
 
 def writer_codec(codec_name, logprob_dtype) -> tuple[str, str | None]:
