@@ -122,3 +122,30 @@ def test_packed_batches_give_the_padded_loss(setup, tmp_path):
             losses.append(float(trainer.compute_loss(trainer.model,
                                                      trainer.data_collator(stored))))
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_a_sampled_store_trains_as_its_rows(setup, tmp_path):
+    """KDTrainer(store=<a sampled store on disk>): the loss the same rows give in memory
+    (without the teacher's log-probs, which the store does not keep)."""
+    pytest.importorskip("safetensors")
+    from topkd.store import TeacherStoreWriter
+
+    data, store, stored = setup
+    path = tmp_path / "store"
+    rows = {}
+    with TeacherStoreWriter(path, samples=N, vocab_size=hf_worker.V) as writer:
+        for i, item in enumerate(data):
+            rows[f"s{i}"] = store.get(f"s{i}").map(lambda t: t)  # (logprobs dropped below)
+            rows[f"s{i}"].logprobs = None
+            writer.add(f"s{i}", item["input_ids"], rows[f"s{i}"])
+    losses = []
+    for source in (path, TeacherRows(rows)):
+        trainer = KDTrainer(model=hf_worker.student(), store=source,
+                            args=hf_worker.config(tmp_path / str(len(losses)), impl="eager"))
+        with torch.no_grad():
+            losses.append(float(trainer.compute_loss(trainer.model,
+                                                     trainer.data_collator(stored))))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    with pytest.raises(ValueError, match="divergence"):
+        KDTrainer(model=hf_worker.student(), store=path,
+                  args=hf_worker.config(tmp_path / "jsd", divergence="jsd"))

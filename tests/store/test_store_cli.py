@@ -590,3 +590,43 @@ def test_padding_free_build_stores_the_padded_rows(teacher, tmp_path, capsys, mo
     assert not os.path.exists(tmp_path / "refused" / "manifest.json")
     code, _, err = _run(_build(path, data, tmp_path / "padded-again"), capsys)  # padded: runs
     assert code == 0, err
+
+
+def test_sampled_build_draws_per_sample_id(teacher, tmp_path, capsys):
+    """``--samples N --seed S``: each sequence's rows are ``sample_teacher`` of its own online
+    logits with sample id and seed, whatever the batch size; the store verifies and a resumed
+    build with another seed is refused."""
+    path, model, tokenizer = teacher
+    rng = torch.Generator().manual_seed(3)
+    rows = [{"id": f"q{i}", "text": _text(rng, n)} for i, n in enumerate((7, 0, 15, 3))]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stores = []
+    for batch in (1, 3):
+        out = tmp_path / f"store{batch}"
+        argv = ["store", "build", "--teacher", path, "--data", str(data), "--samples", "12",
+                "--seed", "5", "--temperature", "1.5", "--out", str(out), "--no-progress",
+                "--batch-size", str(batch)]
+        code, stdout, _ = _run(argv, capsys)
+        assert code == 0 and "added 4 sequences" in stdout
+        stores.append(TeacherStore(out))
+    code, stdout, _ = _run(["store", "verify", str(tmp_path / "store3")], capsys)
+    assert code == 0
+    code, stdout, _ = _run(["store", "info", str(tmp_path / "store3")], capsys)
+    assert '"kind": "sampled"' in stdout and '"samples": 12' in stdout
+    for row in rows:
+        ids = tokenizer(row["text"])["input_ids"]
+        got = [s.get(row["id"], ids) for s in stores]
+        assert torch.equal(got[0].indices, got[1].indices)
+        assert torch.equal(got[0].counts, got[1].counts)
+        if ids:
+            want = topkd.sample_teacher(_online(model, ids)[None], 12, temperature=1.5, seed=5,
+                                        sample_ids=[row["id"]], vocab_size=VOCAB)
+            assert torch.equal(got[0].indices[:, :want.k], want.indices[0, :, :got[0].k])
+    code, _, err = _run(["store", "build", "--teacher", path, "--data", str(data), "--samples",
+                         "12", "--seed", "6", "--temperature", "1.5", "--out",
+                         str(tmp_path / "store3"), "--no-progress"], capsys)
+    assert code != 0 and "seed" in err
+    with pytest.raises(SystemExit):  # argparse: --k and --samples exclude each other
+        main(["store", "build", "--teacher", path, "--data", str(data), "--samples", "12",
+              "--k", "4", "--out", str(tmp_path / "x")])

@@ -97,7 +97,7 @@ LOGPROB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
 TOKEN_HASH = "blake2b-128 of the token ids as int64 little-endian"
 
 # The settings a reader may insist on, in the order errors name them.
-SETTINGS = ("kind", "codec", "vocab_size", "k", "samples", "top_p", "top_p_min_k",
+SETTINGS = ("kind", "codec", "vocab_size", "samples", "k", "top_p", "top_p_min_k",
             "temperature", "logprob_dtype", "tokenizer_fingerprint", "store_tokens")
 
 
