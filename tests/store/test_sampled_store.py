@@ -12,8 +12,13 @@ import torch
 pytest.importorskip("safetensors")
 
 import topkd  # noqa: E402
-from topkd.store import TeacherDataset, TeacherStore, TeacherStoreWriter, verify_store  # noqa: E402
-from topkd.store import codec  # noqa: E402
+from topkd.store import (  # noqa: E402
+    TeacherDataset,
+    TeacherStore,
+    TeacherStoreWriter,
+    codec,
+    verify_store,
+)
 from topkd.store.rows import trimmed  # noqa: E402
 
 V, N = 300, 12
@@ -81,8 +86,9 @@ def test_codec_round_trips_any_rows(vocab, samples):
     start = 0
     for r, length in enumerate(lengths):
         want = sorted(zip(indices[start:start + length].tolist(),
-                          counts[start:start + length].tolist()))
-        assert list(zip(got_i[r, :length].tolist(), got_c[r, :length].tolist())) == want
+                          counts[start:start + length].tolist(), strict=True))
+        assert list(zip(got_i[r, :length].tolist(), got_c[r, :length].tolist(),
+                        strict=True)) == want
         assert (got_i[r, length:] == -1).all() and (got_c[r, length:] == 0).all()
         start += length
     with pytest.raises(ValueError):
