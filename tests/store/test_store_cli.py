@@ -342,7 +342,7 @@ def test_cli_errors(teacher, tmp_path, capsys):
         assert "usage:" in err and message in err, err
 
     usage_error(["store", "build", "--teacher", path, "--data", str(data), "--out", str(out)],
-                "the following arguments are required: --k")
+                "one of the arguments --k --samples is required")
     usage_error(_build(path, data, out, "--k", "0"), "argument --k: must be >= 1")
     usage_error(_build(path, data, out, "--top-p", "1.5"), "--top-p must be in (0.0, 1.0]")
     usage_error(_build(path, data, out, "--temperature", "0"), "--temperature must be in")
