@@ -196,6 +196,30 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
 # ---- inputs -------------------------------------------------------------------------------
 
 
+def check_inputs(student: tuple, teacher, options: KDOptions, mask, labels) -> None:
+    """The checks of an LM-head call that need no collective (shapes, dtypes, the labels'
+    range against the whole vocabulary), for :mod:`topkd.sharded` to run before its first
+    collective; ``weight`` may be a DTensor (its shape is the whole head's)."""
+    hidden, weight, bias = (*student, None)[:3]
+    _check_linear("", hidden, weight, bias)
+    lead = hidden.shape[:-1]
+    _checks.mask(mask, lead)
+    names = {"student": "hidden", "teacher": "teacher logits"}
+    if isinstance(teacher, SparseTeacher):
+        _checks.same_leading("hidden", lead, "teacher", teacher.indices.shape[:-1])
+        _checks.teacher_mask(mask, teacher, lead)
+    else:
+        _teacher_input(teacher, lead, True, names)
+    flat = _checks.labels(labels, lead, hidden.device)
+    if flat is None and options.ce_weight != 0:
+        raise ValueError(f"ce_weight={options.ce_weight} needs labels= (the hard-label term)")
+    vocab = options.vocab_size or weight.shape[0]
+    _checks.label_range(flat, options.ignore_index, vocab)
+    if options.k is not None:
+        _checks.integer("k", options.k, 1, vocab)
+
+
+
 def _student_head(student: tuple, options: KDOptions, mask):
     """A student LM head's tensors by name, checked, and the names its messages use."""
     if len(student) not in (2, 3):

@@ -144,14 +144,14 @@ class AllReduceGradient(torch.autograd.Function):
 # tensors are padded to the largest row count so every collective has equal parts.
 
 
-def row_counts(group, count: int, device) -> list[int]:
-    """Every rank's row count (one all-gather of one integer)."""
+def exchange_counts(group, values: list[int], device) -> list[list[int]]:
+    """Every rank's ``values`` (a few integers: its row count, ...; one all-gather)."""
     if group is None:
-        return [count]
-    mine = torch.tensor([count], dtype=torch.int64, device=device)
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    return [int(t) for t in everyone]
+    return [t.tolist() for t in everyone]
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int, value=0) -> torch.Tensor:
@@ -239,7 +239,7 @@ class GatherShards(torch.autograd.Function):
         out = grad.new_empty((widest, *grad.shape[1:]))
         dist.reduce_scatter_tensor(out, padded.contiguous(), group=ctx.group)
         mine = out[:sizes[dist.get_rank(ctx.group)]]
-        return mine / ctx.divide, None, None, None
+        return mine.div_(ctx.divide), None, None, None
 
 
 def gather_shards(shard: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:

@@ -182,7 +182,9 @@ class DivideGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad / ctx.divide, None
+        # the engine's gradient of the head is a tensor of its own, used nowhere else (the
+        # only consumer of this Function's output is the engine): divided in place
+        return grad.div_(ctx.divide), None
 
 
 def _divide(options, mesh: _Mesh) -> float:
@@ -190,7 +192,7 @@ def _divide(options, mesh: _Mesh) -> float:
     return float(mesh.world) if factor is None else factor
 
 
-def _whole_teacher(teacher, mesh_of):
+def _whole_teacher(teacher):
     """A teacher head with any DTensor part gathered whole (no gradient); else unchanged."""
     if not isinstance(teacher, tuple) or not is_dtensor(teacher[1]):
         return teacher
@@ -204,10 +206,13 @@ def _whole_teacher(teacher, mesh_of):
 
 def sharded_loss(run, student, teacher, options, mask, labels):
     """The loss of a call with a DTensor head; ``run`` is :func:`topkd.distill_loss`."""
+    from .entry import check_inputs  # entry imports this module
+
     check(student, teacher, options)
+    check_inputs(student, teacher, options, mask, labels)
     hidden, weight, bias = (*student, None)[:3]
     if not is_dtensor(weight):  # a plain student with a sharded teacher head: gather that
-        return run(student, _whole_teacher(teacher, None), options, mask=mask, labels=labels)
+        return run(student, _whole_teacher(teacher), options, mask=mask, labels=labels)
     mesh = _Mesh(weight)
     divide = _divide(options, mesh)
     plain = options.replace(sharded_head="vocab_parallel", gradient_divide_factor=None)
@@ -215,7 +220,7 @@ def sharded_loss(run, student, teacher, options, mask, labels):
         full = tuple(None if x is None else
                      parallel.GatherShards.apply(x.to_local(), mesh.group, mesh.sizes, divide)
                      for x in (weight, bias))
-        return run((hidden, *full), _whole_teacher(teacher, mesh), plain, mask=mask,
+        return run((hidden, *full), _whole_teacher(teacher), plain, mask=mask,
                    labels=labels)
     return _vocab_parallel(run, mesh, divide, hidden, weight, bias, teacher, plain, mask,
                            labels)
@@ -234,7 +239,14 @@ def _vocab_parallel(run, mesh, divide, hidden, weight, bias, teacher, options, m
     flat_labels = None if labels is None else labels.reshape(n)
     weights = row_weights(keep, flat_labels, options, n, hidden.device)
 
-    counts = parallel.row_counts(group, n, hidden.device)  # the first collective
+    # the first collective: every rank's row count and teacher width, checked alike everywhere
+    everyone = parallel.exchange_counts(group, [n, _teacher_width(teacher)], hidden.device)
+    counts = [c[0] for c in everyone]
+    widths = {c[1] for c in everyone}
+    if len(widths) > 1:
+        raise ValueError(f"the teacher's width (K of a SparseTeacher, the logits' or the "
+                         f"teacher hidden states' width) differs across ranks: "
+                         f"{[c[1] for c in everyone]}")
     rows = max(counts)
     gathered_hidden = parallel.GatherRows.apply(hidden.reshape(n, hidden.shape[-1]), group,
                                                 rows)
@@ -255,6 +267,14 @@ def _vocab_parallel(run, mesh, divide, hidden, weight, bias, teacher, options, m
                      keep=keep, weights=all_weights)
     return run(head, _teacher_rows(teacher, mesh, group, rows, n),
                options.replace(process_group=group), mask=all_keep, labels=all_labels, owner=owner)
+
+
+def _teacher_width(teacher) -> int:
+    if isinstance(teacher, SparseTeacher):
+        return teacher.k
+    if isinstance(teacher, torch.Tensor):
+        return teacher.shape[-1]
+    return teacher[0].shape[-1]
 
 
 def _teacher_rows(teacher, mesh: _Mesh, group, rows: int, n: int):
