@@ -121,7 +121,8 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
     if options.k is None:
         _checks.aligned(shards, vocab)
         _checks.label_range(labels, fields["ignore_index"], vocab)
-        cfg = _config(fields, options, shards["student"], vocab, n, student_tensors, labels,
+        cfg = _config(fields, options, shards["student"], vocab, _budget_rows(n, owner),
+                      student_tensors, labels,
                       sparse=False, teacher_blocks=fused and "teacher" not in teacher_tensors)
         call = Call(cfg, sparse=False, student=tuple(student_tensors),
                     teacher=tuple(teacher_tensors), count=n)
@@ -129,7 +130,8 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
                     lead_shape=lead, labels=labels, one_pass=one_pass, owner=owner)
     k = _checks.integer("k", options.k, 1, vocab)
     _checks.label_range(labels, fields["ignore_index"], vocab)
-    cfg = _config(fields, options, shards["student"], vocab, n, student_tensors, labels,
+    cfg = _config(fields, options, shards["student"], vocab, _budget_rows(n, owner),
+                  student_tensors, labels,
                   sparse=True, teacher_blocks=fused and "teacher" not in teacher_tensors)
     source = (LogitsSource(teacher_tensors["teacher"]) if "teacher" in teacher_tensors
               else LinearSource(*teacher_tensors.values()))
@@ -141,7 +143,8 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
                     {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
                     lead_shape=lead, labels=labels, owner=owner)
     # One selection budget for the whole call (the chunks' own row counts would shrink it).
-    teacher_bytes = memory.budget_bytes(options.chunk_bytes, n, shards["teacher"].width,
+    teacher_bytes = memory.budget_bytes(options.chunk_bytes, _budget_rows(n, owner),
+                                        shards["teacher"].width,
                                         source.element_size)
 
     def select(rows):
@@ -186,7 +189,8 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
             f"student_logits width {shard.total}, vocab_size={options.vocab_size}")
     _checks.teacher_vocab(vocab, teacher, desc)
     _checks.label_range(labels, fields["ignore_index"], vocab)
-    cfg = _config(fields, options, shard, vocab, n, student_tensors, labels, sparse=True,
+    cfg = _config(fields, options, shard, vocab, _budget_rows(n, owner), student_tensors,
+                  labels, sparse=True,
                   teacher_blocks=False)
     return _run(_sparse_call(cfg, student_tensors, n),
                 {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
@@ -332,6 +336,14 @@ def _one_pass(tensors, reduction) -> bool:
 
 
 # ---- the engine's configuration ------------------------------------------------------------
+
+
+def _budget_rows(n: int, owner) -> int:
+    """The rows the default memory budget is cut for: all of them, or, for a batch gathered
+    over a mesh (:mod:`topkd.sharded`), one rank's share. A rank then works on ``world``
+    times the rows over ``1/world`` of the vocabulary in blocks as tall as one process's, so
+    its work memory shrinks with the mesh like the head itself."""
+    return n if owner is None else owner.rows
 
 
 def _config(fields, options, shard, vocab, n, student_tensors, labels, *, sparse,
