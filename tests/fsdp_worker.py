@@ -8,7 +8,7 @@ spawned gloo ranks (see parallel/test_fsdp.py).
   every parameter must match to 1e-5, for both ``sharded_head`` designs: KL against a teacher
   head that is itself sharded, Top-K against logits with the CE term, JSD against a
   SparseTeacher, a head tied to the input embedding, ``reduction="none"``, unequal row counts
-  per rank, ``set_gradient_divide_factor``.
+  per rank, ``set_gradient_divide_factor``, the Module form.
 - Loss level: float32 against the float64 reference (loss, hidden and weight gradients).
 - Bad input: a ValueError naming the argument before any collective.
 """
@@ -83,6 +83,8 @@ TRAIN_CASES = [
     ("topk none, sharded teacher head", "topk", "head_sharded", dict(k=5, reduction="none"),
      False, False, None),
     ("kl sum, divide factor 1", "kl", "logits", dict(reduction="sum"), False, False, 1.0),
+    ("FusedTopKLogitsKLLoss, sharded teacher head, CE", "module", "head_sharded",
+     dict(k=6, labels=True, ce_weight=0.3, reduction="mean"), False, False, None),
 ]
 
 
@@ -108,6 +110,9 @@ def _loss(loss, model, hidden, teacher, d, opts, design):
     if design is not None:
         opts["sharded_head"] = design
     weight = model.lm_head.weight
+    if loss == "module":  # the Module form: options at construction, mask/labels per call
+        per_call = {n: opts.pop(n) for n in ("mask", "labels") if n in opts}
+        return topkd.FusedTopKLogitsKLLoss(k, **opts)(hidden, weight, teacher, **per_call)
     if loss == "topk":
         if isinstance(teacher, topkd.SparseTeacher):
             return topkd.fused_topk_kl_loss(hidden, weight, teacher, **opts)

@@ -464,7 +464,12 @@ class ScalarLoss(torch.autograd.Function):
     """``(call, weights, teacher_rows, *tensors) -> (loss, kd, ce)`` scalars: ``loss = sum
     w_kd * kd_rows + sum w_ce * ce_rows`` with the gradients computed in the same pass and
     saved; backward scales them by the upstream gradient (new tensors, so a second backward
-    sees the same values). ``kd``/``ce`` are the parts for logging (non-differentiable)."""
+    sees the same values). ``kd``/``ce`` are the parts for logging (non-differentiable).
+
+    With ``call.own`` (a batch gathered over the group, :mod:`topkd.sharded`) the returned
+    values sum this rank's rows only, while the gradients are those of every rank's rows: the
+    upstream gradient must then be the same on every rank, which backward checks
+    (:func:`topkd.parallel.same_upstream`)."""
 
     @staticmethod
     def forward(ctx, call: Call, weights, teacher_rows, *tensors):

@@ -15,6 +15,19 @@ Who calls what, per loss call (forward; backward has none but the last):
   the candidates per merge block of rows.
 - :class:`AllReduceGradient`: the fused losses with ``reduce_hidden_grad=True``, one SUM
   all-reduce of the hidden states' gradient in backward.
+
+A head that is a DTensor sharded by vocabulary rows over a data-parallel mesh (FSDP2;
+:mod:`topkd.sharded` routes it) adds, with the mesh's group (these are not no-ops for
+``None``; they are only called with a group):
+
+- ``sharded_head="vocab_parallel"``: :func:`exchange_counts` (the ranks' row counts and teacher
+  widths), :class:`GatherRows` / :func:`gather_rows` (every rank's hidden states, teacher rows,
+  labels, mask and row weights), or :func:`columns_to_rows` (teacher logits, one all-to-all),
+  then the engine's collectives above over the gathered batch; backward: :class:`GatherRows`'s
+  reduce-scatter of the hidden states' gradient, and :func:`same_upstream` (a scalar loss) or
+  :class:`OwnRows` (per-row losses) gathering the upstream gradients.
+- ``sharded_head="gather"``: :class:`GatherShards` (the head, all-gathered; backward: its
+  gradient reduce-scattered and divided) and :func:`gather_shards` (a sharded teacher head).
 """
 
 from __future__ import annotations

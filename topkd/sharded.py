@@ -80,7 +80,10 @@ def _describe(x) -> str:
 def _check_head(name: str, x) -> None:
     """``x`` is a DTensor sharded by rows, ``Shard(0)``, on a 1-D mesh."""
     _, shard = _dtensor_types()
-    if x.device_mesh.ndim != 1 or tuple(x.placements) != (shard(0),):
+    placements = tuple(x.placements)
+    by_rows = (len(placements) == 1 and type(placements[0]) is shard  # not _StridedShard
+               and placements[0].dim == 0)
+    if x.device_mesh.ndim != 1 or not by_rows:
         raise ValueError(
             f"{name} is {_describe(x)}; a fused loss takes an LM head sharded by vocabulary "
             f"rows: placements (Shard(dim=0),) on a 1-D mesh (FSDP2's fully_shard), or a "
