@@ -11,11 +11,11 @@ function with their own keyword signatures.
 
 from __future__ import annotations
 
-import torch
-
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from . import _checks, backends, memory, parallel, sharded
 from .engine import Call, Config, LossParts, RowLoss, ScalarLoss
