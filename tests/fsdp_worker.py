@@ -393,6 +393,22 @@ def run_errors(mesh, rank, world, failures):
             failures.append(f"[errors] {name}: not a ValueError\n{traceback.format_exc()}")
 
 
+def run_upstream(mesh, rank, world, failures):
+    """A scalar vocab_parallel loss scaled differently on each rank: a RuntimeError on every
+    rank in backward (its gradients were written in forward for every rank's rows)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    weight = distribute_tensor(torch.randn(V, H), mesh, [Shard(0)]).requires_grad_(True)
+    hidden = torch.randn(4, H, requires_grad=True)
+    out = topkd.fused_kl_loss(hidden, weight, torch.randn(4, V), reduction="mean")
+    try:
+        (out * (rank + 1)).backward()
+        failures.append("[upstream] a different scale per rank raised nothing")
+    except RuntimeError as e:
+        if "differs across ranks" not in str(e):
+            failures.append(f"[upstream] another error: {e}")
+
+
 def worker(rank, world, plan, result_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -401,6 +417,7 @@ def worker(rank, world, plan, result_dir):
         mesh = init_device_mesh("cpu", (world,))
         if "errors" in plan:
             run_errors(mesh, rank, world, failures)
+            run_upstream(mesh, rank, world, failures)
         if "reference" in plan:
             run_reference(mesh, rank, world, failures)
         if "training" in plan:
