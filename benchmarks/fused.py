@@ -761,9 +761,17 @@ def _show(saved) -> str:
     return format_table(saved["results"], saved["meta"])
 
 
+def _is_sharded(path) -> bool:
+    """Whether a saved run is a ``--sharded-ranks`` one."""
+    import json
+
+    with open(path) as f:
+        return "ranks" in json.load(f).get("meta", {})
+
+
 def main(argv) -> int:
     args = build_parser().parse_args(argv)
-    if args.sharded_ranks:
+    if args.sharded_ranks or (args.load and _is_sharded(args.load)):
         from . import sharded
 
         return sharded.main(args, argv)
