@@ -68,6 +68,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                        default=1.0, metavar="T", help="teacher temperature (default 1)")
     build.add_argument("--batch-size", type=_int_at_least(1), default=8, metavar="B",
                        help="sequences per forward pass (default 8)")
+    build.add_argument("--padding-free", action="store_true",
+                       help="run each batch's sequences packed in one row (position_ids "
+                       "restarting at each), no padding; the rows stored are the same")
     build.add_argument("--max-length", type=_int_at_least(1), metavar="L",
                        help="truncate every sequence to L tokens (default: no truncation)")
     build.add_argument("--logprob-dtype", choices=("float16", "bfloat16", "float32"),
@@ -185,7 +188,8 @@ def _build(parser, args) -> int:
             args.teacher, args.data, args.out, k=args.k, top_p=args.top_p,
             top_p_min_k=args.top_p_min_k, temperature=args.temperature,
             batch_size=args.batch_size, max_length=args.max_length,
-            logprob_dtype=args.logprob_dtype, text_field=args.text_field,
+            padding_free=args.padding_free, logprob_dtype=args.logprob_dtype,
+            text_field=args.text_field,
             id_field=args.id_field, ids_field=args.ids_field, dtype=args.dtype,
             device=args.device, shard_bytes=max(1, int(args.shard_mib * 2**20)),
             store_tokens=not args.no_tokens, progress=not args.no_progress)
@@ -323,6 +327,9 @@ def _add_distill(commands) -> None:
                    help="sequences per device per micro-batch (default 8)")
     p.add_argument("--grad-accum", type=_int_at_least(1), default=1, metavar="G",
                    help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--padding-free", action="store_true",
+                   help="pack each micro-batch's sequences into one row (position_ids "
+                   "restarting at each), no padding: the same loss, no padded tokens computed")
     p.add_argument("--lr", type=_float_in("--lr", 0.0, None), default=5e-5,
                    help="peak learning rate, AdamW, linear decay (default 5e-5)")
     p.add_argument("--max-length", type=_int_at_least(2), metavar="L",
@@ -402,7 +409,8 @@ def _distill(parser, args) -> int:
             ce_weight=args.ce_weight, max_steps=args.max_steps,
             epochs=1.0 if args.epochs is None else args.epochs, batch_size=args.batch_size,
             grad_accum=args.grad_accum, lr=args.lr, max_length=args.max_length,
-            bf16=args.bf16, teacher_dtype=args.teacher_dtype, seed=args.seed,
+            padding_free=args.padding_free, bf16=args.bf16, teacher_dtype=args.teacher_dtype,
+            seed=args.seed,
             save_steps=args.save_steps, save_total_limit=args.save_total_limit or None,
             logging_steps=args.logging_steps, eval_steps=args.eval_steps, resume=args.resume,
             text_field=args.text_field, id_field=args.id_field, ids_field=args.ids_field,

@@ -25,6 +25,10 @@ from topkd.cli import main  # noqa: E402
 from topkd.hf.distill import SETTINGS_FILE, last_checkpoint  # noqa: E402
 from topkd.store import build_store  # noqa: E402
 
+# One pytest-xdist worker runs this module (pytest --dist loadgroup): its module-scoped
+# fixture is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("distill")
+
 WORDS = [f"w{i}" for i in range(60)]
 ROOT = helpers.ROOT
 VOCAB = 64  # the models' rows; the tokenizer has 62 tokens
@@ -436,3 +440,25 @@ def test_impl_and_a_registered_divergence_reach_the_loss(setup, tmp_path, capsys
     with pytest.raises(SystemExit):
         main(_args(setup, tmp_path / "bad", "--impl", "triton"))
     assert "invalid choice: 'triton'" in capsys.readouterr().err
+
+
+def test_padding_free_trains_as_padded_batches(setup, tmp_path, capsys, one_thread):
+    """--padding-free packs each micro-batch into one row: the same logged KD at every step
+    and the same student as padded batches, online and from a store."""
+    store = tmp_path / "store"
+    build_store(setup / "teacher", setup / "train.jsonl", store, k=8, logprob_dtype="float32",
+                progress=False)
+    for source, extra in (("online", ["--k", "8"]), ("offline", ["--store", str(store)])):
+        runs = {}
+        for name, flag in (("padded", []), ("packed", ["--padding-free"])):
+            out = tmp_path / f"{source}-{name}"
+            code, stdout, err = _run(_args(setup, out, "--max-steps", "3", "--batch-size", "6",
+                                           "--lr", "1e-2", "--logging-steps", "1",
+                                           "--ce-weight", "0.5", *extra, *flag,
+                                           teacher=source == "online"), capsys)
+            assert code == 0, err
+            runs[name] = (_logged_kd(out), _weights(out))
+        (kd, weights), (kd_packed, weights_packed) = runs["padded"], runs["packed"]
+        assert len(kd) == 3 and kd_packed == pytest.approx(kd, rel=1e-5), source
+        assert _max_diff(weights_packed, weights) < 1e-5, source
+        assert _max_diff(weights, _weights(setup / "student")) > 1e-3

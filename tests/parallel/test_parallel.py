@@ -1,8 +1,9 @@
 """Tensor parallel (vocabulary shards over a gloo group) against one process: the logits
 losses, the fused LM-head losses and the compiled kernels between the collectives.
 
-The work happens in tp_worker.py (and fused_tp_worker.py) inside spawned ranks; one spawn per
-group size runs every layout and case, because starting processes is the slow part. Every wait
+The work happens in tp_worker.py (and fused_tp_worker.py) inside spawned ranks; one spawn runs
+many layouts and cases, because starting processes is slow, but the two-rank checks are three
+spawns (logits, fused, compiled) so that pytest-xdist's workers can share them. Every wait
 has a timeout so that a bug fails the test instead of hanging it.
 """
 
@@ -22,10 +23,8 @@ def _spawn(world, plan, tmp_path):
                         DEADLINE_S)
 
 
-def test_two_ranks(tmp_path):
-    """The logits losses on three layouts, the communication volume; the fused losses on two
-    (float32 and bf16); the compiled kernels (every rank compiles its own; a few cases, see
-    tp_worker.COMPILED_CASES) on a padded layout."""
+def test_two_ranks_logits(tmp_path):
+    """The logits losses on three layouts and the communication volume."""
     _spawn(2, {
         "layouts": [
             (64, [32, 32], None),  # equal shards
@@ -33,12 +32,23 @@ def test_two_ranks(tmp_path):
             (40, [20, 20], 37),  # padded vocabulary: the last 3 columns are outside
         ],
         "communication": True,
+    }, tmp_path)
+
+
+def test_two_ranks_fused(tmp_path):
+    """The fused losses on two layouts (float32, and bf16 on the first)."""
+    _spawn(2, {
         "fused": [
             (37, [20, 17], None),  # unequal shards
             (40, [20, 20], 37),  # padded vocabulary: the last 3 weight rows are outside
         ],
-        "compiled": [(37, [20, 17], 34)],
     }, tmp_path)
+
+
+def test_two_ranks_compiled(tmp_path):
+    """The compiled kernels between the collectives (every rank compiles its own; a few cases,
+    see tp_worker.COMPILED_CASES) on a padded layout."""
+    _spawn(2, {"compiled": [(37, [20, 17], 34)]}, tmp_path)
 
 
 def test_three_ranks(tmp_path):

@@ -27,6 +27,10 @@ from topkd.store import (  # noqa: E402
 )
 from topkd.store.reader import read_shard_ids  # noqa: E402
 
+# One pytest-xdist worker runs this module (pytest --dist loadgroup): its module-scoped
+# fixture is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("store_cli")
+
 ROOT = helpers.ROOT
 VOCAB = 300  # the model's vocabulary; the tokenizer has fewer tokens (as Qwen's, padded)
 WORDS = [f"w{i}" for i in range(200)]
@@ -522,3 +526,51 @@ def test_failed_build_binds_no_settings(teacher, tmp_path, capsys, monkeypatch):
     code, _, err = _run(_build(path, good, out, "--k", "32"), capsys)
     assert code == 1 and "k=16" in err and "k=32" in err, err
     assert _contents(out) == before
+
+
+def test_padding_free_build_stores_the_padded_rows(teacher, tmp_path, capsys, monkeypatch):
+    """--padding-free runs each batch packed in one row (position_ids restarting at each
+    sequence): every sequence's rows are those of the padded build (float32 storage: indices
+    equal, log-probs to 1e-6), and the online teacher's. A teacher whose attention lets packed
+    sequences see each other is refused before the first batch, its implementation named."""
+    path, model, tokenizer = teacher
+    rng = torch.Generator().manual_seed(7)
+    texts = [_text(rng, n) for n in (9, 0, 23, 4, 1, 15, 6)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    stores = {}
+    for name, extra in (("padded", ()), ("packed", ("--padding-free",))):
+        out = tmp_path / name
+        code, stdout, err = _run(_build(path, data, out, "--logprob-dtype", "float32",
+                                        "--batch-size", "3", *extra), capsys)
+        assert code == 0 and "added 7 sequences" in stdout, err
+        stores[name] = TeacherStore(out)
+    assert stores["packed"].manifest["metadata"]["padding_free"] is True
+    samples = {i: tokenizer(t)["input_ids"] for i, t in enumerate(texts)}
+    for i, ids in samples.items():
+        padded, packed = stores["padded"].get(i, ids), stores["packed"].get(i, ids)
+        assert torch.equal(packed.indices, padded.indices), i
+        torch.testing.assert_close(packed.logprobs, padded.logprobs, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(packed.rest_logprob, padded.rest_logprob, rtol=1e-6,
+                                   atol=1e-6)
+    _check_against_online(tmp_path / "packed", model, samples)
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import topkd.store.build
+
+    AttentionInterface.register("causal_only", sdpa_attention_forward)
+    load = topkd.store.build._load_model
+
+    def causal_only(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.set_attn_implementation("causal_only")
+        return model
+
+    monkeypatch.setattr(topkd.store.build, "_load_model", causal_only)
+    code, _, err = _run(_build(path, data, tmp_path / "refused", "--padding-free"), capsys)
+    assert code == 1 and "'causal_only'" in err and "packed sequences apart" in err, err
+    assert not os.path.exists(tmp_path / "refused" / "manifest.json")
+    code, _, err = _run(_build(path, data, tmp_path / "padded-again"), capsys)  # padded: runs
+    assert code == 0, err

@@ -26,7 +26,7 @@ import torch
 SETTINGS_FILE = "topkd_distill.json"
 # settings a resumed run may change: they do not change what is trained
 RESUMABLE = ("save_steps", "save_total_limit", "logging_steps", "eval_data", "eval_steps",
-             "progress", "impl")
+             "progress", "impl", "padding_free")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -35,7 +35,8 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
             divergence="kl", beta: float = 0.5, alpha: float = 0.1, impl: str = "auto",
             kd_weight: float = 1.0, ce_weight: float = 0.0, max_steps: int | None = None,
             epochs: float = 1.0, batch_size: int = 8, grad_accum: int = 1, lr: float = 5e-5,
-            max_length: int | None = None, bf16: bool = False, teacher_dtype: str | None = None,
+            max_length: int | None = None, padding_free: bool = False, bf16: bool = False,
+            teacher_dtype: str | None = None,
             seed: int = 42, save_steps: int = 500, save_total_limit: int | None = 2,
             logging_steps: int = 10, eval_steps: int | None = None, resume: bool = False,
             text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
@@ -67,6 +68,11 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         batch_size, grad_accum, lr, seed: per-device batch size, gradient accumulation, peak
             learning rate (linear decay, AdamW), the seed of the data order.
         max_length: truncate every sequence to this many tokens.
+        padding_free: pack each micro-batch's sequences into one row, ``position_ids``
+            restarting at each (:class:`~topkd.hf.KDCollator`'s ``padding_free``): no padding
+            is computed and the loss is the padded batch's. The models' attention must keep
+            packed sequences apart (checked once per model; transformers' ``sdpa`` and
+            ``eager`` do).
         teacher_dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the
             checkpoint's); default bfloat16 with ``bf16``, else float32.
         save_steps, save_total_limit: a checkpoint every ``save_steps`` steps (and at the end),
@@ -140,6 +146,7 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         "impl": impl, "beta": beta, "alpha": alpha, "kd_weight": kd_weight, "ce_weight": ce_weight,
         "max_steps": max_steps, "epochs": None if max_steps is not None else epochs,
         "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr, "max_length": max_length,
+        "padding_free": bool(padding_free),
         "bf16": bool(bf16), "teacher_dtype": None if store is not None else teacher_dtype,
         "seed": seed, "world_size": world, "text_field": text_field, "id_field": id_field,
         "ids_field": ids_field, "save_steps": save_steps, "save_total_limit": save_total_limit,
@@ -187,6 +194,7 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         max_steps=-1 if max_steps is None else max_steps, num_train_epochs=epochs,
         per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,
         gradient_accumulation_steps=grad_accum, learning_rate=lr, bf16=bool(bf16), seed=seed,
+        padding_free=bool(padding_free),
         save_strategy="steps", save_steps=save_steps, save_total_limit=save_total_limit,
         logging_strategy="steps", logging_steps=logging_steps,
         eval_strategy="steps" if eval_steps and evaluation is not None else "no",

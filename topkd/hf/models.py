@@ -108,15 +108,16 @@ class FinalHidden:
             hidden = hidden.to(torch.get_autocast_dtype(device))
         self._hidden = hidden
 
-    def __call__(self, model, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, model, input_ids, attention_mask,
+                 position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden [B, T, H], the model's own logits [B, V] at the last position)``; the
         caller checks them with :meth:`check` once (after it has checked they are finite)."""
         probe = input_ids.shape[1] - 1
         keep = torch.tensor([probe], device=input_ids.device)
         hook = self.decoder.register_forward_hook(self._keep)
         try:
-            output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                           logits_to_keep=keep)
+            output = model(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         finally:
             hook.remove()
         hidden, self._hidden = self._hidden, None

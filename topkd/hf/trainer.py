@@ -26,6 +26,7 @@ from .models import (
     nonfinite_rows,
     vocabulary,
 )
+from .packing import Layout, PackingCheck, learned
 
 _SPARSE = ("indices", "logprobs", "rest_logprob")
 
@@ -44,6 +45,8 @@ class KDConfig(TrainingArguments):
     The loss is ``kd_weight * KD + ce_weight * CE`` summed over the tokens learned and divided
     by their count over the whole optimizer step (all micro-batches, all ranks).
     ``remove_unused_columns`` defaults to False here: the teacher's keys must reach the batch.
+    ``padding_free`` packs each batch into one row (:class:`~topkd.hf.KDCollator`'s
+    ``padding_free``).
     """
 
     k: int | None = field(default=None, metadata={"help": "teacher entries kept per row "
@@ -67,6 +70,9 @@ class KDConfig(TrainingArguments):
         "help": "items with this field and no input_ids are tokenized by processing_class"})
     max_length: int | None = field(default=None, metadata={
         "help": "truncate tokenized text to this many tokens"})
+    padding_free: bool = field(default=False, metadata={
+        "help": "pack each batch's sequences into one row (position_ids restarting at each), "
+                "no padding"})
     remove_unused_columns: bool = False
 
     def kd_divergence(self) -> divergences.Divergence:
@@ -107,6 +113,12 @@ class KDTrainer(Trainer):
     :class:`~topkd.store.TeacherStore` or its path, and items carrying ``sample_id``.
     Dataset items: ``input_ids``, optionally ``attention_mask`` and ``labels`` (see
     :class:`~topkd.hf.KDCollator` for the alignment rule).
+
+    Packed batches (``position_ids`` restarting mid-row: ``padding_free=True``, or
+    ``transformers.DataCollatorWithFlattening``): both models get the ``position_ids`` and no
+    attention mask, no row learns the next sequence's first token, and each model's attention
+    is checked once to keep the sequences apart (a ValueError names an implementation that
+    does not; ``sdpa`` and ``eager`` do).
 
     With ``fused=True`` (default) the student's final hidden states and its output embeddings
     enter the fused loss, and the teacher enters as its ``(hidden, weight)`` pair: neither
@@ -152,7 +164,8 @@ class KDTrainer(Trainer):
             pad = getattr(processing_class, "pad_token_id", None)
             data_collator = KDCollator(0 if pad is None else pad, store=store,
                                        tokenizer=processing_class, text_field=args.text_field,
-                                       max_length=args.max_length)
+                                       max_length=args.max_length,
+                                       padding_free=args.padding_free)
         super().__init__(model=model, args=args, data_collator=data_collator,
                          processing_class=processing_class, **kwargs)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
@@ -174,6 +187,7 @@ class KDTrainer(Trainer):
                                      "infinite values")
         self._student_hidden = FinalHidden(self.model) if args.fused else None
         self._teacher_hidden = FinalHidden(teacher) if args.fused and teacher else None
+        self._packing = PackingCheck()
         self._warned_empty = False
         self._sums = torch.zeros(3, dtype=torch.float64)  # kd, ce, tokens since the last log
 
@@ -181,7 +195,7 @@ class KDTrainer(Trainer):
 
     def _get_num_items_in_batch(self, batch_samples, device):
         """The tokens learned over the optimizer step: every micro-batch, every rank."""
-        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batch_samples)
+        count = sum(int(learned(b).sum()) for b in batch_samples)
         count = torch.tensor(count, dtype=torch.int64, device=device)
         if self.args.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(count)
@@ -220,9 +234,17 @@ class KDTrainer(Trainer):
         and CE sums and the token count; with ``eval_kl`` also KL(teacher || student) summed.
         The models run under the run's autocast, the losses outside it."""
         args = self.args
-        input_ids, attention = inputs["input_ids"], inputs.get("attention_mask")
-        keep = inputs["labels"][:, 1:] != -100
+        input_ids = inputs["input_ids"]
+        layout = Layout(inputs)
+        # (packed rows: the models get the position_ids and no mask; a row whose next token is
+        # another sequence's learns nothing)
+        attention, positions = layout.attention_mask, layout.position_ids
+        keep = layout.learned(inputs["labels"])
         self._check_ids(input_ids, inputs)
+        if layout.packed:
+            self._packing(model, "student")
+            if self.teacher is not None:
+                self._packing(self.teacher, "teacher")
         changes = {"ce_weight": ce_weight}
         labels = inputs["labels"][:, 1:][keep] if ce_weight else None
         if self.store is not None:
@@ -230,7 +252,8 @@ class KDTrainer(Trainer):
         if args.fused:
             if self.store is None:
                 with torch.no_grad(), self.accelerator.autocast():
-                    t_hidden, probe = self._teacher_hidden(self.teacher, input_ids, attention)
+                    t_hidden, probe = self._teacher_hidden(self.teacher, input_ids, attention,
+                                                           positions)
                 self._check_teacher(nonfinite_rows(t_hidden[:, :-1]), keep, inputs,
                                     "its final hidden states")
                 self._teacher_hidden.check(self.teacher, t_hidden, probe)
@@ -238,7 +261,7 @@ class KDTrainer(Trainer):
                 teacher = (t_hidden[:, :-1][keep], t_weight) + (() if t_bias is None
                                                                 else (t_bias,))
             with self.accelerator.autocast():
-                hidden, probe = self._student_hidden(model, input_ids, attention)
+                hidden, probe = self._student_hidden(model, input_ids, attention, positions)
             self._student_hidden.check(model, hidden, probe)
             weight, bias = head(model)
             student = (hidden[:, :-1][keep], weight, bias)
@@ -251,13 +274,14 @@ class KDTrainer(Trainer):
             if self.store is None:
                 with torch.no_grad(), self.accelerator.autocast():
                     teacher = self.teacher(input_ids=input_ids, attention_mask=attention,
+                                           position_ids=positions,
                                            use_cache=False).logits[:, :-1]
                 self._check_teacher(nonfinite_rows(teacher, logits=True), keep, inputs,
                                     "its logits")
                 teacher = teacher[keep]
             with self.accelerator.autocast():
                 student = model(input_ids=input_ids, attention_mask=attention,
-                                use_cache=False).logits[:, :-1][keep]
+                                position_ids=positions, use_cache=False).logits[:, :-1][keep]
         options = self.options.replace(**changes)  # checked once per batch
         result = distill_loss(student, teacher, options, labels=labels)
         kl = None
@@ -284,12 +308,16 @@ class KDTrainer(Trainer):
         rows = (getattr(teacher, name)[:, :-1][keep] for name in _SPARSE)
         return SparseTeacher(*rows, teacher.temperature, teacher.vocab_size)
 
-    def _where(self, inputs, b: int) -> str:
-        """``step N, batch row b (sample id s)`` for error messages."""
+    def _where(self, inputs, b: int, t: int = 0) -> str:
+        """``step N, batch row b (sample id s)`` for error messages (a packed row: the sample
+        at position ``t``)."""
         when = (f"step {self.state.global_step + 1}" if self.model.training
                 else "evaluation")
         ids = inputs.get("sample_ids")
-        sample = "" if not ids or ids[b] is None else f" (sample id {ids[b]!r})"
+        index = Layout(inputs).sequence_of(b, t)
+        index = b if index is None else index
+        sample = ("" if not ids or index >= len(ids) or ids[index] is None
+                  else f" (sample id {ids[index]!r})")
         return f"{when}, batch row {b}{sample}"
 
     def _check_ids(self, input_ids: torch.Tensor, inputs) -> None:
@@ -297,7 +325,7 @@ class KDTrainer(Trainer):
         bad = (input_ids < 0) | (input_ids >= self._id_limit)
         if bool(bad.any()):
             b, t = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{self._where(inputs, b)}, position {t}: token id "
+            raise ValueError(f"{self._where(inputs, b, t)}, position {t}: token id "
                              f"{int(input_ids[b, t])} is outside the vocabulary (the models "
                              f"embed ids 0 to {self._id_limit - 1}; vocab_size "
                              f"{self.vocab_size})")
@@ -309,7 +337,7 @@ class KDTrainer(Trainer):
         if bool(bad.any()):
             b, t = (int(i) for i in bad.nonzero()[0])
             raise NonFiniteError(
-                f"{self._where(inputs, b)}, position {t}: the teacher gave NaN or infinite "
+                f"{self._where(inputs, b, t)}, position {t}: the teacher gave NaN or infinite "
                 f"values ({what}; {int(bad.sum())} row(s) of this batch). Training stopped "
                 f"before the optimizer step; check the teacher (its weights, its dtype's range) "
                 f"and this sample")

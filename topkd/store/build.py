@@ -2,7 +2,8 @@
 
 ``build_store`` (and ``topkd store build``) reads samples from JSON Lines, Parquet or plain
 text, tokenizes them with the teacher's tokenizer (or takes their token ids as given), runs the
-teacher in right-padded batches, and stores each sequence's :func:`topkd.select_topk` rows under
+teacher in right-padded batches (or, ``padding_free``, each batch packed into one row), and
+stores each sequence's :func:`topkd.select_topk` rows under
 its sample id. A rerun resumes: ids already stored are skipped before the teacher runs.
 """
 
@@ -281,7 +282,8 @@ class _Progress:
 
 def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
                 top_p_min_k: int = 1, temperature: float = 1.0, batch_size: int = 8,
-                max_length: int | None = None, logprob_dtype: str = "float16",
+                max_length: int | None = None, padding_free: bool = False,
+                logprob_dtype: str = "float16",
                 text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
                 dtype="auto", device=None, shard_bytes: int = 256 * 2**20,
                 store_tokens: bool = True, progress: bool = True) -> dict:
@@ -295,6 +297,11 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
         k, top_p, top_p_min_k, temperature: :func:`topkd.select_topk`'s settings.
         batch_size: sequences per forward pass (right-padded with an attention mask).
         max_length: truncate every sequence (text or given ids) to this many tokens.
+        padding_free: run each batch packed into one row (``position_ids`` restarting at each
+            sequence, no mask, no padding computed); each sequence's rows are stored as the
+            padded build stores them (to rounding). The teacher's attention must keep packed
+            sequences apart: checked on the model before the first batch (transformers'
+            ``sdpa`` and ``eager`` do; a ValueError names an implementation that does not).
         logprob_dtype: the store's dtype for kept log-probs.
         text_field, id_field, ids_field: the field names of JSON Lines / Parquet samples.
         dtype: the teacher's weights: ``"auto"`` (the checkpoint's), ``"float32"``,
@@ -325,6 +332,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
     _checks.integer("shard_bytes", shard_bytes, 1)
     if not isinstance(store_tokens, bool):
         raise TypeError(f"store_tokens must be a bool, got {store_tokens!r}")
+    if not isinstance(padding_free, bool):
+        raise TypeError(f"padding_free must be a bool, got {padding_free!r}")
     if not (dtype == "auto" or dtype in MODEL_DTYPES or isinstance(dtype, torch.dtype)):
         raise ValueError(f"dtype must be 'auto', one of {tuple(MODEL_DTYPES)} or a torch.dtype, "
                          f"got {dtype!r}")
@@ -342,7 +351,8 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
         device = torch.device(device)
         return _build(teacher_dir, data, out, k=k, top_p=top_p, top_p_min_k=top_p_min_k,
                       temperature=temperature, batch_size=batch_size, max_length=max_length,
-                      logprob_dtype=logprob_dtype, text_field=text_field, id_field=id_field,
+                      padding_free=padding_free, logprob_dtype=logprob_dtype,
+                      text_field=text_field, id_field=id_field,
                       ids_field=ids_field, dtype=dtype, device=device, shard_bytes=shard_bytes,
                       store_tokens=store_tokens, progress=progress, rank=rank, world=world,
                       start=start)
@@ -354,7 +364,7 @@ def build_store(teacher_dir, data, out, *, k: int, top_p: float | None = None,
 
 
 def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_size,
-           max_length, logprob_dtype, text_field, id_field, ids_field, dtype, device,
+           max_length, padding_free, logprob_dtype, text_field, id_field, ids_field, dtype, device,
            shard_bytes, store_tokens, progress, rank, world, start) -> dict:
     from . import tokenizer_fingerprint
     from .writer import TeacherStoreWriter
@@ -365,6 +375,10 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
 
         tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     model = _load_model(teacher_dir, dtype, device)
+    if padding_free:
+        from ..hf.packing import PackingCheck
+
+        PackingCheck()(model, "teacher")
     output = model.get_output_embeddings()
     width = output.weight.shape[0] if output is not None else model.config.vocab_size
     vocab = teacher_vocab(model.config, width)
@@ -375,6 +389,7 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
     if tokenizer is not None and tokenizer.pad_token_id is not None:
         pad_id = tokenizer.pad_token_id
     metadata = _metadata(teacher_dir, model, data, max_length, tokenizer)
+    metadata["padding_free"] = padding_free
 
     writer = TeacherStoreWriter(
         out, k=k, vocab_size=vocab, top_p=top_p, top_p_min_k=top_p_min_k,
@@ -402,7 +417,8 @@ def _build(teacher_dir, data, out, *, k, top_p, top_p_min_k, temperature, batch_
                               f"max_position_embeddings={max_positions}; pass max_length",
                               stacklevel=2)
             teachers = _teachers(model, ids, pad_id, device, width, k=k, top_p=top_p,
-                                 top_p_min_k=top_p_min_k, temperature=temperature, vocab=vocab)
+                                 top_p_min_k=top_p_min_k, temperature=temperature, vocab=vocab,
+                                 padding_free=padding_free)
             for (_, sample_id, _, _), seq, teacher in zip(batch, ids, teachers, strict=True):
                 writer.add(sample_id, seq, teacher)
                 tokens += len(seq)
@@ -469,12 +485,28 @@ def _tokenize(batch, tokenizer, max_length, embeddings) -> list[list[int]]:
 
 
 def _teachers(model, ids, pad_id, device, width, *, k, top_p, top_p_min_k, temperature,
-              vocab) -> list[SparseTeacher]:
-    """One forward pass over the non-empty sequences (right-padded), then each sequence's
-    select_topk on its own rows; empty sequences get zero rows."""
+              vocab, padding_free=False) -> list[SparseTeacher]:
+    """One forward pass over the non-empty sequences (right-padded, or packed in one row),
+    then each sequence's select_topk on its own rows; empty sequences get zero rows."""
     teachers: list = [None] * len(ids)
     live = [i for i, seq in enumerate(ids) if seq]
-    if live:
+    if live and padding_free:
+        input_ids = torch.tensor([t for i in live for t in ids[i]], dtype=torch.int64)
+        positions = torch.cat([torch.arange(len(ids[i])) for i in live])
+        with torch.inference_mode():
+            logits = model(input_ids=input_ids[None].to(device),
+                           position_ids=positions[None].to(device), use_cache=False).logits[0]
+            if logits.shape[-1] != width:
+                raise RuntimeError(f"the teacher's logits have {logits.shape[-1]} columns, its "
+                                   f"output embeddings {width}")
+            start = 0
+            for i in live:
+                teachers[i] = select_topk(logits[start:start + len(ids[i])], k, top_p=top_p,
+                                          top_p_min_k=top_p_min_k, temperature=temperature,
+                                          vocab_size=vocab)
+                start += len(ids[i])
+            del logits
+    elif live:
         longest = max(len(ids[i]) for i in live)
         input_ids = torch.full((len(live), longest), pad_id, dtype=torch.int64)
         mask = torch.zeros((len(live), longest), dtype=torch.int64)
