@@ -9,7 +9,8 @@ spawned gloo ranks (see parallel/test_fsdp.py).
   head that is itself sharded, Top-K against logits with the CE term, JSD against a
   SparseTeacher, a head tied to the input embedding, ``reduction="none"``, unequal row counts
   per rank, ``set_gradient_divide_factor``, the Module form.
-- Loss level: float32 against the float64 reference (loss, hidden and weight gradients).
+- Loss level: float32 against the float64 reference (loss, hidden and weight gradients); bf16
+  hidden states with a float32 head against one process.
 - Bad input: a ValueError naming the argument before any collective.
 """
 
@@ -220,6 +221,10 @@ REF_CASES = [
      dict(k=7, labels=True, ce_weight=0.5, temperature=2.0)),
     ("jsd topk k=5 sum, mask", "topk", "head",
      dict(k=5, divergence="jsd", mask=True, reduction="sum")),
+    ("kl mean, CE, components", "kl", "logits",
+     dict(labels=True, ce_weight=0.7, reduction="mean", return_components=True)),
+    ("kl none, components", "kl", "head", dict(labels=True, ce_weight=0.7,
+                                               return_components=True)),
 ]
 
 
@@ -273,17 +278,38 @@ def _reference_case(distribute_tensor, Shard, mesh, rank, world, loss, kind, opt
                                        **extra(rank))
     else:
         out = topkd.fused_kl_loss(hidden, weight, teacher, sharded_head=design, **extra(rank))
+    parts = None
+    if isinstance(out, tuple):
+        parts, out = out, out.loss
     out.backward(go[rank].float() if out.dim() else None)
     gw = weight.grad.full_tensor()
+    with torch.no_grad():  # evaluation: the same loss, no gradient, no backward collectives
+        if loss == "topk":
+            again = topkd.fused_topk_kl_loss(hidden, weight, teacher, k, sharded_head=design,
+                                             **extra(rank))
+        else:
+            again = topkd.fused_kl_loss(hidden, weight, teacher, sharded_head=design,
+                                        **extra(rank))
+    again = again.loss if isinstance(again, tuple) else again
+    if not torch.allclose(again, out.detach(), rtol=1e-6, atol=1e-7):
+        failures.append(f"{tag}: under no_grad the loss differs: {again} vs {out.detach()}")
     # float64: every rank's loss; the head's gradient is their average (FSDP's reduction)
     ref_gw = torch.zeros_like(w)
     for r in range(world):
         t = reference.linear_logits(th[r], tw)
         fn, args = ((reference.topk_loss, (t, k)) if loss == "topk" else
                     (reference.full_loss, (t,)))
+        ropts = {n: v for n, v in extra(r).items() if n != "return_components"}
         rl, rgh, rgw, _ = reference.linear_loss_and_grads(
-            fn, h[r], w, *args, grad_output=go[r] if out.dim() else None, **extra(r))
+            fn, h[r], w, *args, grad_output=go[r] if out.dim() else None, **ropts)
         ref_gw += rgw / world
+        if r == rank and parts is not None:
+            _, rkd, rce = fn(reference.linear_logits(h[r], w), *args, return_components=True,
+                             **ropts)
+            for what, x, ref_x in (("kd", parts.kd, rkd), ("ce", parts.ce, rce)):
+                e = float((x.double() - ref_x).abs().max())
+                if e > 1e-5 * max(float(ref_x.abs().max()), 1e-3):
+                    failures.append(f"{tag}: the {what} part vs float64 {e:.3e}")
         if r == rank:
             err = float((out.detach().double() - rl).abs().max())
             if err > 1e-5 * max(float(rl.abs().max()), 1e-3):
@@ -298,6 +324,41 @@ def _reference_case(distribute_tensor, Shard, mesh, rank, world, loss, kind, opt
                         f"{float(ref_gw.abs().max()):.3e}")
     if tuple(weight.grad.placements) != tuple(weight.placements):
         failures.append(f"{tag}: weight gradient placements {weight.grad.placements}")
+
+
+def run_mixed(mesh, rank, world, failures):
+    """bf16 hidden states with a float32 DTensor head (autocast, or FSDP's sharded float32
+    parameter with bf16 activations): each design against one process holding the whole
+    head, to bf16 tolerance; the head's gradient float32, the average over ranks."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(11)
+    h = [torch.randn(5, H, generator=g).bfloat16() for _ in range(world)]
+    t = [torch.randn(5, V, generator=g).bfloat16() for _ in range(world)]
+    w = torch.randn(V, H, generator=g) * 0.5
+    expect = torch.zeros_like(w)
+    for r in range(world):
+        leaf = w.clone().requires_grad_(True)
+        one = topkd.fused_topk_kl_loss(h[r], leaf, t[r], 6, reduction="mean")
+        one.backward()
+        expect += leaf.grad / world
+        if r == rank:
+            one_rank = one.detach()
+    for design in ("vocab_parallel", "gather"):
+        weight = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_(True)
+        out = topkd.fused_topk_kl_loss(h[rank], weight, t[rank], 6, reduction="mean",
+                                       sharded_head=design)
+        out.backward()
+        got = weight.grad.full_tensor()
+        tag = f"[{world} ranks, {design}] bf16 hidden, float32 head"
+        if got.dtype != torch.float32:
+            failures.append(f"{tag}: the head's gradient is {got.dtype}")
+        if abs(float(out) - float(one_rank)) > 1e-3 * max(abs(float(one_rank)), 1e-3):
+            failures.append(f"{tag}: loss {float(out)} vs one process {float(one_rank)}")
+        err = float((got - expect).abs().max())
+        if err > 1e-2 * float(expect.abs().max()):
+            failures.append(f"{tag}: head gradient vs one process {err:.3e} of "
+                            f"{float(expect.abs().max()):.3e}")
 
 
 # ---- bad input --------------------------------------------------------------------------------
@@ -420,6 +481,7 @@ def worker(rank, world, plan, result_dir):
             run_upstream(mesh, rank, world, failures)
         if "reference" in plan:
             run_reference(mesh, rank, world, failures)
+            run_mixed(mesh, rank, world, failures)
         if "training" in plan:
             run_training(mesh, rank, world, failures)
 
