@@ -16,6 +16,7 @@ from typing import Any
 from . import _checks
 from .backends import IMPLS
 from .divergences import Divergence, resolve
+from .sharded import DESIGNS
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,7 @@ class KDOptions:
                                                  self.teacher_logit_scale),
             "softcap": _checks.softcap("softcap", self.softcap),
             "teacher_softcap": _checks.softcap("teacher_softcap", self.teacher_softcap),
-            "sharded_head": _checks.choice("sharded_head", self.sharded_head,
-                                           ("vocab_parallel", "gather")),
+            "sharded_head": _checks.choice("sharded_head", self.sharded_head, DESIGNS),
             "gradient_divide_factor": (
                 None if self.gradient_divide_factor is None else
                 _checks.real("gradient_divide_factor", self.gradient_divide_factor,

@@ -34,6 +34,8 @@ the engine's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import parallel
@@ -42,6 +44,7 @@ from .teacher import SparseTeacher
 DESIGNS = ("vocab_parallel", "gather")
 
 
+@functools.lru_cache(maxsize=1)
 def _dtensor_types():
     """``(DTensor, Shard)``, or ``None`` where this torch has no DTensor."""
     try:
