@@ -167,6 +167,13 @@ def exchange_counts(group, values: list[int], device) -> list[list[int]]:
     return [t.tolist() for t in everyone]
 
 
+def _reduce_scatter(output, tensor, group) -> None:
+    """SUM reduce-scatter of ``tensor`` (``world`` equal parts along dim 0) into ``output``
+    (``reduce_scatter_single`` where torch has it: newer torch deprecates the other name)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, tensor, group=group)
+
+
 def _pad_rows(tensor: torch.Tensor, rows: int, value=0) -> torch.Tensor:
     if tensor.shape[0] == rows:
         return tensor.contiguous()
@@ -199,7 +206,7 @@ class GatherRows(torch.autograd.Function):
     def backward(ctx, grad):
         world = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
         return out[:ctx.count], None, None
 
 
@@ -250,7 +257,7 @@ class GatherShards(torch.autograd.Function):
         parts = list(grad.split(sizes))
         padded = torch.cat([_pad_rows(p, widest) for p in parts]) if world > 1 else grad
         out = grad.new_empty((widest, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, padded.contiguous(), group=ctx.group)
+        _reduce_scatter(out, padded.contiguous(), group=ctx.group)
         mine = out[:sizes[dist.get_rank(ctx.group)]]
         return mine.div_(ctx.divide), None, None, None
 
