@@ -8,7 +8,8 @@ spawned gloo ranks (see parallel/test_fsdp.py).
   every parameter must match to 1e-5, for both ``sharded_head`` designs: KL against a teacher
   head that is itself sharded, Top-K against logits with the CE term, JSD against a
   SparseTeacher, a head tied to the input embedding, ``reduction="none"``, unequal row counts
-  per rank, ``set_gradient_divide_factor``, the Module form.
+  per rank, ``set_gradient_divide_factor``, gradient accumulation over micro-batches with
+  FSDP's gradient sync off, the Module form.
 - Loss level: float32 against the float64 reference (loss, hidden and weight gradients); bf16
   hidden states with a float32 head against one process.
 - Bad input: a ValueError naming the argument before any collective.
@@ -84,6 +85,8 @@ TRAIN_CASES = [
     ("topk none, sharded teacher head", "topk", "head_sharded", dict(k=5, reduction="none"),
      False, False, None),
     ("kl sum, divide factor 1", "kl", "logits", dict(reduction="sum"), False, False, 1.0),
+    ("kl, 2 micro-batches (no gradient sync but the last), tied", "kl", "head_sharded",
+     dict(reduction="mean", micro=2), True, False, None),
     ("FusedTopKLogitsKLLoss, sharded teacher head, CE", "module", "head_sharded",
      dict(k=6, labels=True, ce_weight=0.3, reduction="mean"), False, False, None),
 ]
@@ -161,38 +164,48 @@ def _train_case(fully_shard, mesh, rank, world, loss, kind, opts, tied, unequal,
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     factor = {} if divide is None else {"gradient_divide_factor": divide}
+    opts = dict(opts)
+    micro = opts.pop("micro", 1)  # micro-batches per step, FSDP's gradient sync off but last
     for step in range(STEPS):
         seqs = [SEQ + (r if unequal else 0) for r in range(world)]
         data = [_data(step, r, seqs[r], t_weight) for r in range(world)]
-        d = data[rank]
-        hidden = model(d["ids"])
-        head = model.lm_head.weight
-        if not type(head).__name__ == "DTensor":
-            failures.append(f"{tag}: lm_head.weight is a {type(head).__name__} at the loss, "
-                            f"not a DTensor: the test does not test the sharded head")
-            return
-        out = _loss(loss, model, hidden, _teacher(kind, d, t_head.weight, t_weight, opts.get("k")),
-                    d, {**opts, **factor}, design)
-        if out.dim():
-            out.backward(d["go"])
-        else:
-            out.backward()
+        outs = []
+        for m in range(micro):
+            d = {key: x[m::micro] for key, x in data[rank].items()}
+            if micro > 1:
+                model.set_requires_gradient_sync(m == micro - 1)
+            hidden = model(d["ids"])
+            head = model.lm_head.weight
+            if not type(head).__name__ == "DTensor":
+                failures.append(f"{tag}: lm_head.weight is a {type(head).__name__} at the "
+                                f"loss, not a DTensor: the test does not test the sharded head")
+                return
+            out = _loss(loss, model, hidden,
+                        _teacher(kind, d, t_head.weight, t_weight, opts.get("k")), d,
+                        {**opts, **factor}, design)
+            if out.dim():
+                out.backward(d["go"])
+            else:
+                out.backward()
+            outs.append(out.detach())
         opt.step()
         opt.zero_grad()
         # one process: every rank's batch, the per-rank losses averaged (or summed / divide)
         total = 0.0
         for r in range(world):
-            ref_hidden = ref(data[r]["ids"])
-            ref_out = _loss(loss, ref, ref_hidden,
-                            _teacher(kind, data[r], t_weight, t_weight, opts.get("k")),
-                            data[r], opts, None)
-            if r == rank:
-                err = float((out.detach() - ref_out.detach()).abs().max())
-                scale = float(ref_out.detach().abs().max())
-                if err > 1e-5 * max(scale, 1.0):
-                    failures.append(f"{tag} step {step}: this rank's loss differs from one "
-                                    f"process: {err:.3e} (scale {scale:.3e})")
-            total = total + (ref_out * data[r]["go"]).sum() if ref_out.dim() else total + ref_out
+            for m in range(micro):
+                d = {key: x[m::micro] for key, x in data[r].items()}
+                ref_out = _loss(loss, ref, ref(d["ids"]),
+                                _teacher(kind, d, t_weight, t_weight, opts.get("k")), d, opts,
+                                None)
+                if r == rank:
+                    err = float((outs[m] - ref_out.detach()).abs().max())
+                    scale = float(ref_out.detach().abs().max())
+                    if err > 1e-5 * max(scale, 1.0):
+                        failures.append(f"{tag} step {step}: this rank's loss differs from "
+                                        f"one process: {err:.3e} (scale {scale:.3e})")
+                total = (total + (ref_out * d["go"]).sum() if ref_out.dim() else
+                         total + ref_out)
         (total / (world if divide is None else divide)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
