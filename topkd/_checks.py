@@ -201,7 +201,8 @@ def aligned(shards, vocab: int) -> int:
 
 def sampled_teacher(teacher) -> None:
     """A :class:`~topkd.SampledTeacher`'s tensors: shapes, dtypes, and on every row that is not
-    padding, distinct ids with counts summing to ``samples`` (one host sync)."""
+    padding, distinct ids with counts summing to ``samples`` (or to 0: a row of no draws, which
+    contributes nothing) (one host sync)."""
     indices, counts = teacher.indices, teacher.counts
     integer("samples", teacher.samples, 1)
     for name, t in (("indices", indices), ("counts", counts)):
@@ -219,7 +220,8 @@ def sampled_teacher(teacher) -> None:
     used = counts > 0
     ids = torch.where(used, indices.long(), -1).sort(-1).values
     repeated = ((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any(-1)
-    bad = (repeated | (counts.long().sum(-1) != teacher.samples) | (counts < 0).any(-1)
+    total = counts.long().sum(-1)  # (0: a padding row of no draws, which counts nothing)
+    bad = (repeated | ((total != teacher.samples) & (total != 0)) | (counts < 0).any(-1)
            | (used & ((indices < 0) | (indices >= teacher.vocab_size))).any(-1))
     if teacher.mask is not None:
         bad = bad & teacher.mask
