@@ -238,7 +238,15 @@ REF_CASES = [
      dict(labels=True, ce_weight=0.7, reduction="mean", return_components=True)),
     ("kl none, components", "kl", "head", dict(labels=True, ce_weight=0.7,
                                                return_components=True)),
+    ("sampled KD (12 draws) mean, CE, mask", "sampled", "sampled",
+     dict(labels=True, ce_weight=0.5, mask=True, reduction="mean")),
 ]
+
+
+def _sampled(th, tw, r):
+    """Rank ``r``'s SampledTeacher: 12 tokens drawn from its teacher logits (seed r)."""
+    return topkd.sample_teacher(reference.linear_logits(th[r], tw).float(), 12, seed=r,
+                                temperature=1.5)
 
 
 def run_reference(mesh, rank, world, failures):
@@ -284,9 +292,14 @@ def _reference_case(distribute_tensor, Shard, mesh, rank, world, loss, kind, opt
     hidden = h[rank].float().requires_grad_(True)
     if kind == "head":
         teacher = (th[rank].float(), t_weight)
+    elif kind == "sampled":
+        teacher = _sampled(th, tw, rank)
     else:
         teacher = reference.linear_logits(th[rank], tw).float()
-    if loss == "topk":
+    if loss == "sampled":
+        out = topkd.fused_topk_kl_loss(hidden, weight, teacher, sharded_head=design,
+                                       **extra(rank))
+    elif loss == "topk":
         out = topkd.fused_topk_kl_loss(hidden, weight, teacher, k, sharded_head=design,
                                        **extra(rank))
     else:
@@ -297,7 +310,10 @@ def _reference_case(distribute_tensor, Shard, mesh, rank, world, loss, kind, opt
     out.backward(go[rank].float() if out.dim() else None)
     gw = weight.grad.full_tensor()
     with torch.no_grad():  # evaluation: the same loss, no gradient, no backward collectives
-        if loss == "topk":
+        if loss == "sampled":
+            again = topkd.fused_topk_kl_loss(hidden, weight, teacher, sharded_head=design,
+                                             **extra(rank))
+        elif loss == "topk":
             again = topkd.fused_topk_kl_loss(hidden, weight, teacher, k, sharded_head=design,
                                              **extra(rank))
         else:
@@ -313,6 +329,10 @@ def _reference_case(distribute_tensor, Shard, mesh, rank, world, loss, kind, opt
         fn, args = ((reference.topk_loss, (t, k)) if loss == "topk" else
                     (reference.full_loss, (t,)))
         ropts = {n: v for n, v in extra(r).items() if n != "return_components"}
+        if loss == "sampled":
+            st = _sampled(th, tw, r)
+            fn, args = reference.sampled_loss, (st.indices, st.counts, st.samples)
+            ropts.update(logq=st.logprobs, temperature=st.temperature)
         rl, rgh, rgw, _ = reference.linear_loss_and_grads(
             fn, h[r], w, *args, grad_output=go[r] if out.dim() else None, **ropts)
         ref_gw += rgw / world

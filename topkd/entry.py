@@ -457,8 +457,10 @@ def _run(call: Call, tensors: dict, options: KDOptions, *, mask, lead_shape, lab
             weights = tuple(owner.weights.unbind(-1))
             call = dataclasses.replace(call, own=(owner.start, owner.count))
         loss, kd, ce = ScalarLoss.apply(call, weights, teacher_rows, *args)
-        if kd_offset is not None:
-            constant = (weights[0] * kd_offset).sum()
+        if kd_offset is not None:  # (this rank's rows only, with an owner)
+            own = slice(None) if owner is None else slice(owner.start,
+                                                          owner.start + owner.count)
+            constant = (weights[0][own] * kd_offset[own]).sum()
             loss, kd = loss + cfg.kd_weight * constant, kd + constant
         return LossParts(loss, kd, ce) if options.return_components else loss
     kd_rows, ce_rows = RowLoss.apply(call, *args)
