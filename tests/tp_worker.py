@@ -319,6 +319,14 @@ def run_layout(group, rank, width, sizes, vocab_size, failures, seed=0, names=No
             _compare(f"{tag} sparse_kl_loss k={k} reverse={reverse} {opts}", failures, lt, l1,
                      gt, g1[..., start:stop], same)
 
+    # a SampledTeacher (drawn from the whole teacher) against the sharded student
+    drawn = topkd.sample_teacher(t, 12, seed=3, temperature=1.3, vocab_size=vocab_size)
+    l1, g1 = _run(topkd.sparse_kl_loss, s, drawn, grad_output=gout, **vs)
+    lt, gt = _run(topkd.sparse_kl_loss, s[..., start:stop], drawn, grad_output=gout,
+                  process_group=group, **vs)
+    _compare(f"{tag} sparse_kl_loss SampledTeacher", failures, lt, l1, gt, g1[..., start:stop],
+             _same_on_all_ranks(lt, group))
+
     # a non-contiguous [S, B, V] view of each shard, and bf16
     sb, tb, gb = _inputs((4, 3), width, torch.bfloat16, seed + 2)
     view = lambda x: x.transpose(0, 1)  # noqa: E731
