@@ -199,7 +199,7 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     hv, low = high_values(vocab_size, k), low_bits(vocab_size, k)
     expected = (_section_bytes(entries + rows * hv)
                 + bitpack.padded_bytes(entries, low + bits))  # (payload_bytes, unrolled)
-    if len(payload) != expected or bits > 32 or bits + low > 57:
+    if len(payload) != expected or bits > 32:
         raise ValueError(f"the payload has {len(payload)} bytes and code width {bits}, its "
                          f"rows need {expected} bytes and a width of at most 32")
     unary_bits = entries + rows * hv
@@ -228,25 +228,36 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     key = key.view(np.int32 if word is np.uint32 else np.int64)  # (the top bit is clear)
     if full:
         key = key.reshape(rows, k)
+        key.sort(axis=1)  # (an int32 sort is twice as fast as an int64 one)
+        base = row_base[:, None]
+    elif max(rows - 1, 0).bit_length() + bits + shift <= 63:
+        # rows of several lengths: one sort of (row, key), then the entries fill each row's
+        # first slots in order (a boolean mask assigns in that order)
+        key = key.astype(np.int64) | (row_of << (bits + shift))
+        key.sort()
+        key &= (1 << (bits + shift)) - 1
+        base = row_base[row_of]
     else:
         starts = np.cumsum(counts) - counts
         padded = np.full((rows, k), np.iinfo(key.dtype).max, key.dtype)
         padded[row_of, np.arange(entries) - starts[row_of]] = key
-        key = padded
-    key.sort(axis=1)  # (an int32 sort is twice as fast as an int64 one)
+        padded.sort(axis=1)
+        used = np.arange(k)[None, :] < counts[:, None]
+        key, base = padded[used], row_base[row_of]
     out_indices = np.bitwise_and(key, (1 << shift) - 1, dtype=np.int64)
     out_codes = key >> shift
     if codec == "exact":
-        logprobs = _from_descending_key(out_codes.astype(np.uint32)
-                                        + row_base.view(np.uint32)[:, None])
+        logprobs = _from_descending_key(out_codes.astype(np.uint32) + base.view(np.uint32))
     else:
         step = COMPACT_STEP if step is None else step
         logprobs = np.multiply(out_codes, np.float32(-step), dtype=np.float32)
-        logprobs += row_base[:, None]
+        logprobs += base
         if width & NEG_INF_FLAG:
             logprobs[out_codes == (1 << bits) - 1] = -math.inf
     if not full:
-        unused = np.arange(k)[None, :] >= counts[:, None]
-        out_indices[unused] = -1
-        logprobs[unused] = -math.inf
+        used = np.arange(k)[None, :] < counts[:, None]
+        flat_indices, flat_logprobs = out_indices, logprobs
+        out_indices = np.full((rows, k), -1, np.int64)
+        logprobs = np.full((rows, k), -math.inf, np.float32)
+        out_indices[used], logprobs[used] = flat_indices, flat_logprobs
     return out_indices, logprobs
