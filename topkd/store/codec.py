@@ -40,7 +40,6 @@ import numpy as np
 
 from . import bitpack
 
-CODECS = ("compact", "exact")
 COMPACT_STEP = 1.0 / 32
 MAX_STEPS = 2**24 - 2
 NEG_INF_FLAG = 0x40
@@ -57,19 +56,8 @@ def high_values(vocab_size: int, k: int) -> int:
     return ((vocab_size - 1) >> low_bits(vocab_size, k)) + 1
 
 
-def index_bits(vocab_size: int) -> int:
-    return max(1, (vocab_size - 1).bit_length())
-
-
 def _section_bytes(bits: int) -> int:
     return (bits + 7) // 8
-
-
-def payload_bytes(counts: np.ndarray, width: int, vocab_size: int, k: int) -> int:
-    """The payload size of rows with these kept ``counts`` and code ``width``."""
-    entries = int(counts.sum())
-    unary = entries + len(counts) * high_values(vocab_size, k)
-    return _section_bytes(unary) + bitpack.padded_bytes(entries, low_bits(vocab_size, k) + width)
 
 
 # -- float32 <-> an integer that grows as the value falls ---------------------------------
@@ -198,7 +186,7 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     bits = width & WIDTH_MASK
     hv, low = high_values(vocab_size, k), low_bits(vocab_size, k)
     expected = (_section_bytes(entries + rows * hv)
-                + bitpack.padded_bytes(entries, low + bits))  # (payload_bytes, unrolled)
+                + bitpack.padded_bytes(entries, low + bits))
     if len(payload) != expected or bits > 32:
         raise ValueError(f"the payload has {len(payload)} bytes and code width {bits}, its "
                          f"rows need {expected} bytes and a width of at most 32")
