@@ -745,6 +745,12 @@ def build_parser():
     p.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda: inputs on the GPU, CUDA-synchronized times, the "
                         "raw peak from torch.cuda.max_memory_allocated")
+    p.add_argument("--sharded-ranks", type=int, default=None, metavar="W",
+                   help="instead: a head sharded by vocabulary rows (FSDP2's DTensor) over W "
+                        "gloo ranks, sharded_head='vocab_parallel' and 'gather' against one "
+                        "process with the same per-rank batch (the first --loss, kl or topk; "
+                        "the first --kernels; per-rank peak memory and time; "
+                        "benchmarks/sharded.py)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the small agreement check of the kl and jsd implementations")
     harness.add_output_options(p)
@@ -755,8 +761,20 @@ def _show(saved) -> str:
     return format_table(saved["results"], saved["meta"])
 
 
+def _is_sharded(path) -> bool:
+    """Whether a saved run is a ``--sharded-ranks`` one."""
+    import json
+
+    with open(path) as f:
+        return "ranks" in json.load(f).get("meta", {})
+
+
 def main(argv) -> int:
     args = build_parser().parse_args(argv)
+    if args.sharded_ranks or (args.load and _is_sharded(args.load)):
+        from . import sharded
+
+        return sharded.main(args, argv)
     if args.load:
         harness.show_saved(args, _show)
         return 0

@@ -364,6 +364,9 @@ class Call:
     student: tuple[str, ...]  # ("logits",) or ("hidden", "weight", "bias")
     teacher: tuple[str, ...]  # sparse: ("indices", "logprobs", "rest"); dense: logits or LM head
     count: int
+    # a batch gathered over config.group whose rows [start, start + count) are this rank's:
+    # the loss is over those, the gradients over every rank's (topkd.sharded)
+    own: tuple[int, int] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -461,7 +464,12 @@ class ScalarLoss(torch.autograd.Function):
     """``(call, weights, teacher_rows, *tensors) -> (loss, kd, ce)`` scalars: ``loss = sum
     w_kd * kd_rows + sum w_ce * ce_rows`` with the gradients computed in the same pass and
     saved; backward scales them by the upstream gradient (new tensors, so a second backward
-    sees the same values). ``kd``/``ce`` are the parts for logging (non-differentiable)."""
+    sees the same values). ``kd``/``ce`` are the parts for logging (non-differentiable).
+
+    With ``call.own`` (a batch gathered over the group, :mod:`topkd.sharded`) the returned
+    values sum this rank's rows only, while the gradients are those of every rank's rows: the
+    upstream gradient must then be the same on every rank, which backward checks
+    (:func:`topkd.parallel.same_upstream`)."""
 
     @staticmethod
     def forward(ctx, call: Call, weights, teacher_rows, *tensors):
@@ -479,8 +487,11 @@ class ScalarLoss(torch.autograd.Function):
             values = stats.get(key)
             if values is None:
                 parts.append(torch.zeros((), device=device))
-            else:
-                parts.append(torch.where(weight != 0, values * weight, 0.0).sum())
+                continue
+            if call.own is not None:  # this rank's rows of a gathered batch
+                start, count = call.own
+                values, weight = values[start:start + count], weight[start:start + count]
+            parts.append(torch.where(weight != 0, values * weight, 0.0).sum())
         loss = cfg.kd_weight * parts[0] + cfg.ce_weight * parts[1]
         accumulators = sink.accumulators()
         inputs = (student.source.inputs if isinstance(student, BlockedSource)
@@ -489,12 +500,15 @@ class ScalarLoss(torch.autograd.Function):
                      for a, x in zip(accumulators, inputs, strict=True)]
         ctx.save_for_backward(*(a for a in accumulators if a is not None))
         ctx.count = len(call.names)
+        ctx.group = cfg.group if call.own is not None else None
         ctx.mark_non_differentiable(parts[0], parts[1])
         return loss, parts[0], parts[1]
 
     @staticmethod
     def backward(ctx, grad, _kd, _ce):
         saved = iter(ctx.saved_tensors)
+        if ctx.group is not None:  # the gradients hold every rank's rows: one scale for all
+            grad = parallel.same_upstream(grad, ctx.group)
         unit = bool(grad == 1)
         grads = []
         for like in ctx.likes:

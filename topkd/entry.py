@@ -11,9 +11,13 @@ function with their own keyword signatures.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from . import _checks, backends, memory, parallel
+from . import _checks, backends, memory, parallel, sharded
 from .engine import Call, Config, LossParts, RowLoss, ScalarLoss
 from .options import KDOptions
 from .parallel import AllReduceGradient
@@ -26,8 +30,25 @@ _HEAD_NAMES = ("hidden", "weight", "bias")
 _TEACHER_HEAD_NAMES = ("teacher_hidden", "teacher_weight", "teacher_bias")
 
 
+@dataclass(frozen=True)
+class RowOwner:
+    """A batch gathered from every rank of ``group`` (``rows`` per rank, padded), of which this
+    rank owns ``[start, start + count)``: its loss is over those rows (``lead_shape``, kept by
+    ``keep``), and ``weights`` ``[world * rows, 2]`` are every rank's rows' (KD, CE) upstream
+    gradients under a scalar reduction (:func:`row_weights`). Made by :mod:`topkd.sharded`."""
+
+    group: Any
+    start: int
+    count: int
+    rows: int
+    lead_shape: torch.Size
+    keep: torch.Tensor | None
+    weights: torch.Tensor
+
+
 def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | None = None,
-                 labels: torch.Tensor | None = None, shards: dict | None = None):
+                 labels: torch.Tensor | None = None, shards: dict | None = None,
+                 owner: RowOwner | None = None):
     """``kd_weight * D(teacher || student) + ce_weight * CE``, reduced as ``options`` say.
 
     Args:
@@ -47,6 +68,10 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
             against its own config first): ``{"student": Shard, "teacher": Shard}`` from
             :func:`topkd.parallel.exchange_shards` with the same row count (``"teacher"``
             omitted for a SparseTeacher). ``None``: exchanged here (one small all-gather).
+        owner: internal (:mod:`topkd.sharded`): the rows of a gathered batch this rank owns.
+
+    An LM head whose ``weight`` is a DTensor sharded by vocabulary rows (FSDP2) is handled by
+    :mod:`topkd.sharded` (``options.sharded_head``), which calls back here with plain tensors.
 
     Returns:
         The float32 loss (``[...]`` for ``reduction="none"``, else a scalar), the same on
@@ -56,6 +81,8 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
     """
     if not isinstance(options, KDOptions):
         raise TypeError(f"options must be a topkd.KDOptions, got {type(options).__name__}")
+    if owner is None and sharded.involved(student, teacher):
+        return sharded.sharded_loss(distill_loss, student, teacher, options, mask, labels)
     fused = isinstance(student, tuple)
     if fused:
         student_tensors, names = _student_head(student, options, mask)
@@ -73,7 +100,7 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
     one_pass = fused and _one_pass(student_tensors.values(), options.reduction)
     if isinstance(teacher, SparseTeacher):
         return _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels,
-                               shards, one_pass)
+                               shards, one_pass, owner)
     if options.k is None:
         if options.top_p is not None:
             raise ValueError(f"top_p={options.top_p} needs k (the full-vocabulary loss keeps "
@@ -94,15 +121,17 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
     if options.k is None:
         _checks.aligned(shards, vocab)
         _checks.label_range(labels, fields["ignore_index"], vocab)
-        cfg = _config(fields, options, shards["student"], vocab, n, student_tensors, labels,
+        cfg = _config(fields, options, shards["student"], vocab, _budget_rows(n, owner),
+                      student_tensors, labels,
                       sparse=False, teacher_blocks=fused and "teacher" not in teacher_tensors)
         call = Call(cfg, sparse=False, student=tuple(student_tensors),
                     teacher=tuple(teacher_tensors), count=n)
         return _run(call, {**student_tensors, **teacher_tensors}, options, mask=mask,
-                    lead_shape=lead, labels=labels, one_pass=one_pass)
+                    lead_shape=lead, labels=labels, one_pass=one_pass, owner=owner)
     k = _checks.integer("k", options.k, 1, vocab)
     _checks.label_range(labels, fields["ignore_index"], vocab)
-    cfg = _config(fields, options, shards["student"], vocab, n, student_tensors, labels,
+    cfg = _config(fields, options, shards["student"], vocab, _budget_rows(n, owner),
+                  student_tensors, labels,
                   sparse=True, teacher_blocks=fused and "teacher" not in teacher_tensors)
     source = (LogitsSource(teacher_tensors["teacher"]) if "teacher" in teacher_tensors
               else LinearSource(*teacher_tensors.values()))
@@ -112,9 +141,10 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
                               backend=cfg.backend)
         return _run(_sparse_call(cfg, student_tensors, n),
                     {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
-                    lead_shape=lead, labels=labels)
+                    lead_shape=lead, labels=labels, owner=owner)
     # One selection budget for the whole call (the chunks' own row counts would shrink it).
-    teacher_bytes = memory.budget_bytes(options.chunk_bytes, n, shards["teacher"].width,
+    teacher_bytes = memory.budget_bytes(options.chunk_bytes, _budget_rows(n, owner),
+                                        shards["teacher"].width,
                                         source.element_size)
 
     def select(rows):
@@ -135,11 +165,11 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
         teacher_tensors = sparse_tensors(select(source), n)
     return _run(_sparse_call(cfg, student_tensors, n), {**student_tensors, **teacher_tensors},
                 options, mask=mask, lead_shape=lead, labels=labels, teacher_rows=teacher_rows,
-                one_pass=one_pass)
+                one_pass=one_pass, owner=owner)
 
 
 def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels, shards,
-                    one_pass):
+                    one_pass, owner=None):
     """The loss against a :class:`SparseTeacher` (its K, top-p and temperature are its own)."""
     if options.k is not None and options.k != teacher.k:
         raise ValueError(f"k={options.k} differs from the SparseTeacher's K={teacher.k}")
@@ -159,14 +189,39 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
             f"student_logits width {shard.total}, vocab_size={options.vocab_size}")
     _checks.teacher_vocab(vocab, teacher, desc)
     _checks.label_range(labels, fields["ignore_index"], vocab)
-    cfg = _config(fields, options, shard, vocab, n, student_tensors, labels, sparse=True,
+    cfg = _config(fields, options, shard, vocab, _budget_rows(n, owner), student_tensors,
+                  labels, sparse=True,
                   teacher_blocks=False)
     return _run(_sparse_call(cfg, student_tensors, n),
                 {**student_tensors, **sparse_tensors(teacher, n)}, options, mask=mask,
-                lead_shape=lead, labels=labels, one_pass=one_pass)
+                lead_shape=lead, labels=labels, one_pass=one_pass, owner=owner)
 
 
 # ---- inputs -------------------------------------------------------------------------------
+
+
+def check_inputs(student: tuple, teacher, options: KDOptions, mask, labels) -> None:
+    """The checks of an LM-head call that need no collective (shapes, dtypes, the labels'
+    range against the whole vocabulary), for :mod:`topkd.sharded` to run before its first
+    collective; ``weight`` may be a DTensor (its shape is the whole head's)."""
+    hidden, weight, bias = (*student, None)[:3]
+    _check_linear("", hidden, weight, bias)
+    lead = hidden.shape[:-1]
+    _checks.mask(mask, lead)
+    names = {"student": "hidden", "teacher": "teacher logits"}
+    if isinstance(teacher, SparseTeacher):
+        _checks.same_leading("hidden", lead, "teacher", teacher.indices.shape[:-1])
+        _checks.teacher_mask(mask, teacher, lead)
+    else:
+        _teacher_input(teacher, lead, True, names)
+    flat = _checks.labels(labels, lead, hidden.device)
+    if flat is None and options.ce_weight != 0:
+        raise ValueError(f"ce_weight={options.ce_weight} needs labels= (the hard-label term)")
+    vocab = options.vocab_size or weight.shape[0]
+    _checks.label_range(flat, options.ignore_index, vocab)
+    if options.k is not None:
+        _checks.integer("k", options.k, 1, vocab)
+
 
 
 def _student_head(student: tuple, options: KDOptions, mask):
@@ -283,6 +338,14 @@ def _one_pass(tensors, reduction) -> bool:
 # ---- the engine's configuration ------------------------------------------------------------
 
 
+def _budget_rows(n: int, owner) -> int:
+    """The rows the default memory budget is cut for: all of them, or, for a batch gathered
+    over a mesh (:mod:`topkd.sharded`), one rank's share. A rank then works on ``world``
+    times the rows over ``1/world`` of the vocabulary in blocks as tall as one process's, so
+    its work memory shrinks with the mesh like the head itself."""
+    return n if owner is None else owner.rows
+
+
 def _config(fields, options, shard, vocab, n, student_tensors, labels, *, sparse,
             teacher_blocks) -> Config:
     group, chunk_bytes = options.process_group, options.chunk_bytes
@@ -321,9 +384,10 @@ def _sparse_call(cfg: Config, student_tensors: dict, n: int) -> Call:
 
 
 def _run(call: Call, tensors: dict, options: KDOptions, *, mask, lead_shape, labels,
-         teacher_rows=None, one_pass=False):
+         teacher_rows=None, one_pass=False, owner: RowOwner | None = None):
     """Run the engine for a checked call and reduce the rows: ``kd_weight * KD + ce_weight *
-    CE``, each averaged over its own rows for ``"mean"``."""
+    CE``, each averaged over its own rows for ``"mean"``. With ``owner``, over this rank's rows
+    of a gathered batch only."""
     cfg, n, reduction = call.config, call.count, options.reduction
     named = dict(tensors, labels=labels)
     args = [named.get(name) for name in call.names]
@@ -332,18 +396,40 @@ def _run(call: Call, tensors: dict, options: KDOptions, *, mask, lead_shape, lab
     has_label = None if labels is None else labels != cfg.ignore_index
     keep_ce = has_label if keep is None else (None if has_label is None else keep & has_label)
     if one_pass:
-        weights = (_row_weights(keep, n, reduction, device),
-                   torch.zeros(n, device=device) if labels is None else
-                   _row_weights(keep_ce, n, reduction, device))
+        if owner is None:
+            weights = (_row_weights(keep, n, reduction, device),
+                       torch.zeros(n, device=device) if labels is None else
+                       _row_weights(keep_ce, n, reduction, device))
+        else:
+            weights = tuple(owner.weights.unbind(-1))
+            call = dataclasses.replace(call, own=(owner.start, owner.count))
         loss, kd, ce = ScalarLoss.apply(call, weights, teacher_rows, *args)
         return LossParts(loss, kd, ce) if options.return_components else loss
     kd_rows, ce_rows = RowLoss.apply(call, *args)
+    if owner is not None:  # this rank's rows; backward gathers every rank's upstream
+        kd_rows, ce_rows = (parallel.OwnRows.apply(x, owner.group, owner.start, owner.count,
+                                                   owner.rows) for x in (kd_rows, ce_rows))
+        lead_shape, keep = owner.lead_shape, owner.keep
+        if labels is not None:
+            has_label = labels[owner.start:owner.start + owner.count] != cfg.ignore_index
+            keep_ce = has_label if keep is None else keep & has_label
     kd = reduce_rows(kd_rows, keep, reduction, lead_shape)
     ce = reduce_rows(ce_rows, keep_ce, reduction, lead_shape)
     loss = cfg.kd_weight * kd + cfg.ce_weight * ce if labels is not None else cfg.kd_weight * kd
     if options.return_components:
         return LossParts(loss, kd.detach(), ce.detach())
     return loss
+
+
+def row_weights(keep, labels, options: KDOptions, n: int, device) -> torch.Tensor:
+    """``[n, 2]``: each row's (KD, CE) upstream gradient under ``options.reduction`` (scalar
+    reductions), from the rows ``keep`` keeps and the ``labels`` (``[n]`` or None)."""
+    kd = _row_weights(keep, n, options.reduction, device)
+    if labels is None:
+        return torch.stack([kd, torch.zeros_like(kd)], -1)
+    has = labels.to(device) != options.ignore_index
+    keep_ce = has if keep is None else keep & has
+    return torch.stack([kd, _row_weights(keep_ce, n, options.reduction, device)], -1)
 
 
 def _row_weights(keep, n: int, reduction: str, device) -> torch.Tensor:

@@ -62,6 +62,8 @@ def fused_topk_kl_loss(
     teacher_softcap: float | None = None,
     return_components: bool = False,
     impl: str = "auto",
+    sharded_head: str = "vocab_parallel",
+    gradient_divide_factor: float | None = None,
 ):
     """:func:`topkd.topk_kl_loss` of the logits ``softcap * tanh(logit_scale * F.linear(
     hidden, weight, bias) / softcap)`` (no softcap: ``logit_scale * F.linear(...)``), never
@@ -89,6 +91,13 @@ def fused_topk_kl_loss(
             convention). With ``True`` it is all-reduced here (once per call, in backward).
         temperature: ``None``: the SparseTeacher's own, or 1.0; when given with a
             SparseTeacher it must equal its temperature.
+        sharded_head, gradient_divide_factor: when ``weight`` (or a teacher's weight) is a
+            DTensor sharded by vocabulary rows (FSDP2's ``Shard(0)`` on a 1-D mesh): how the
+            loss runs, ``"vocab_parallel"`` (no rank holds the whole head) or ``"gather"``
+            (the head gathered once per call), and what the head's gradient is divided by
+            (``None``: the mesh size, FSDP's average; else the value given to FSDP2's
+            ``set_gradient_divide_factor``). Each rank's loss is over its own tokens; see
+            :mod:`topkd.sharded`.
         top_p, top_p_min_k, divergence, reverse, normalize, vocab_size, labels, ignore_index,
         kd_weight, ce_weight, mask, reduction, process_group, chunk_bytes, return_components,
         impl: as in :func:`topkd.topk_kl_loss`.
@@ -129,6 +138,8 @@ def fused_kl_loss(
     teacher_softcap: float | None = None,
     return_components: bool = False,
     impl: str = "auto",
+    sharded_head: str = "vocab_parallel",
+    gradient_divide_factor: float | None = None,
 ):
     """:func:`topkd.kl_loss` (any divergence over the whole vocabulary) of the logits of
     ``F.linear(hidden, weight, bias)``, never holding those logits.

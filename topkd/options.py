@@ -16,6 +16,7 @@ from typing import Any
 from . import _checks
 from .backends import IMPLS
 from .divergences import Divergence, resolve
+from .sharded import DESIGNS
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class KDOptions:
         impl: ``"auto"``, ``"eager"`` or ``"compile"`` (the kernels' backend).
         reduce_hidden_grad, logit_scale, softcap, teacher_logit_scale, teacher_softcap: a fused
             LM head's options (see :func:`topkd.fused_topk_kl_loss`); defaults elsewhere.
+        sharded_head, gradient_divide_factor: a fused LM head that is a DTensor sharded by
+            vocabulary rows (FSDP2): ``"vocab_parallel"`` or ``"gather"``, and what its
+            gradient is divided by (``None``: the mesh size, FSDP's average); see
+            :mod:`topkd.sharded`.
     """
 
     k: int | None = None
@@ -65,6 +70,8 @@ class KDOptions:
     softcap: float | None = None
     teacher_logit_scale: float = 1.0
     teacher_softcap: float | None = None
+    sharded_head: str = "vocab_parallel"
+    gradient_divide_factor: float | None = None
 
     def __post_init__(self):
         checked = {
@@ -87,6 +94,11 @@ class KDOptions:
                                                  self.teacher_logit_scale),
             "softcap": _checks.softcap("softcap", self.softcap),
             "teacher_softcap": _checks.softcap("teacher_softcap", self.teacher_softcap),
+            "sharded_head": _checks.choice("sharded_head", self.sharded_head, DESIGNS),
+            "gradient_divide_factor": (
+                None if self.gradient_divide_factor is None else
+                _checks.real("gradient_divide_factor", self.gradient_divide_factor,
+                             lambda x: x > 0, "> 0")),
         }
         checked["top_p"], checked["top_p_min_k"] = _checks.top_p(self.top_p, self.top_p_min_k)
         for name in ("return_components", "reduce_hidden_grad"):
@@ -139,7 +151,7 @@ _COMMON = frozenset({"temperature", "divergence", "reverse", "vocab_size", "redu
                      "return_components", "impl"})
 _TOPK = frozenset({"top_p", "top_p_min_k", "normalize"})
 _FUSED = frozenset({"reduce_hidden_grad", "logit_scale", "softcap", "teacher_logit_scale",
-                    "teacher_softcap"})
+                    "teacher_softcap", "sharded_head", "gradient_divide_factor"})
 KL_OPTIONS = _COMMON
 TOPK_OPTIONS = _COMMON | _TOPK
 FUSED_KL_OPTIONS = _COMMON | _FUSED

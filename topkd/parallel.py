@@ -15,6 +15,19 @@ Who calls what, per loss call (forward; backward has none but the last):
   the candidates per merge block of rows.
 - :class:`AllReduceGradient`: the fused losses with ``reduce_hidden_grad=True``, one SUM
   all-reduce of the hidden states' gradient in backward.
+
+A head that is a DTensor sharded by vocabulary rows over a data-parallel mesh (FSDP2;
+:mod:`topkd.sharded` routes it) adds, with the mesh's group (these are not no-ops for
+``None``; they are only called with a group):
+
+- ``sharded_head="vocab_parallel"``: :func:`exchange_counts` (the ranks' row counts and teacher
+  widths), :class:`GatherRows` / :func:`gather_rows` (every rank's hidden states, teacher rows,
+  labels, mask and row weights), or :func:`columns_to_rows` (teacher logits, one all-to-all),
+  then the engine's collectives above over the gathered batch; backward: :class:`GatherRows`'s
+  reduce-scatter of the hidden states' gradient, and :func:`same_upstream` (a scalar loss) or
+  :class:`OwnRows` (per-row losses) gathering the upstream gradients.
+- ``sharded_head="gather"``: :class:`GatherShards` (the head, all-gathered; backward: its
+  gradient reduce-scattered and divided) and :func:`gather_shards` (a sharded teacher head).
 """
 
 from __future__ import annotations
@@ -135,3 +148,137 @@ class AllReduceGradient(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+# ---- a head sharded by vocabulary rows over a data-parallel mesh (FSDP2) --------------------
+#
+# Each rank holds its own tokens and the vocabulary rows ``[offset, offset + size)`` of the
+# head (DTensor ``Shard(0)`` on a 1-D mesh, torch.chunk's sizes: uneven shards included). Row
+# tensors are padded to the largest row count so every collective has equal parts.
+
+
+def exchange_counts(group, values: list[int], device) -> list[list[int]]:
+    """Every rank's ``values`` (a few integers: its row count, ...; one all-gather)."""
+    if group is None:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
+def _reduce_scatter(output, tensor, group) -> None:
+    """SUM reduce-scatter of ``tensor`` (``world`` equal parts along dim 0) into ``output``
+    (``reduce_scatter_single`` where torch has it: newer torch deprecates the other name)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, tensor, group=group)
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int, value=0) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor.contiguous()
+    pad = tensor.new_full((rows - tensor.shape[0], *tensor.shape[1:]), value)
+    return torch.cat([tensor, pad])
+
+
+def gather_rows(tensor: torch.Tensor, group, rows: int, value=0) -> torch.Tensor:
+    """Every rank's ``tensor`` (``[n_r, ...]``, padded with ``value`` to ``rows``) stacked in
+    rank order: ``[world * rows, ...]``. No gradient (the teacher's tensors, labels, masks)."""
+    padded = _pad_rows(tensor.detach(), rows, value)
+    if tensor.dtype == torch.bool:  # gathered as bytes: not every backend reduces bools
+        return gather_rows(padded.to(torch.uint8), group, rows).bool()
+    parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat(parts)
+
+
+class GatherRows(torch.autograd.Function):
+    """Every rank's rows ``[n_r, H]`` as one ``[world * rows, H]`` batch (padded to ``rows``
+    each); backward: a SUM reduce-scatter, so each rank gets the sum over every rank's
+    vocabulary shard of the gradient of its own rows."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, rows):
+        ctx.group, ctx.count = group, tensor.shape[0]
+        return gather_rows(tensor, group, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
+        return out[:ctx.count], None, None
+
+
+class OwnRows(torch.autograd.Function):
+    """This rank's rows ``[start, start + count)`` of per-row values that every rank holds
+    alike; backward: every rank's upstream gradient of its own rows, all-gathered, which is
+    the whole batch's upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, values, group, start, count, rows):
+        ctx.group, ctx.rows = group, rows
+        return values[start:start + count]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_rows(grad, ctx.group, ctx.rows), None, None, None, None
+
+
+def same_upstream(grad: torch.Tensor, group) -> torch.Tensor:
+    """The upstream gradient of a loss whose gradients were written in forward for every
+    rank's rows at once: it must be the same on every rank (one all-gather of a scalar)."""
+    everyone = gather_rows(grad.reshape(1).float(), group, 1)
+    if not bool((everyone == everyone[0]).all()):
+        raise RuntimeError(
+            "the upstream gradient of a loss over a vocabulary-sharded DTensor head differs "
+            f"across ranks ({everyone.tolist()}); with sharded_head='vocab_parallel' a scalar "
+            "loss's gradients are written in forward for every rank's tokens and need the "
+            "same scale on every rank (scale every rank's loss alike, or use "
+            "sharded_head='gather' or reduction='none')")
+    return grad
+
+
+class GatherShards(torch.autograd.Function):
+    """The whole ``[V, ...]`` tensor from every rank's rows (``sizes[r]`` on rank r; padded to
+    the largest for the all-gather); backward: a SUM reduce-scatter of the whole gradient,
+    divided by ``divide``, so each rank gets its rows of ``sum_r grad_r / divide`` (FSDP's
+    gradient reduction: ``divide`` = the mesh size averages)."""
+
+    @staticmethod
+    def forward(ctx, shard, group, sizes, divide):
+        ctx.group, ctx.sizes, ctx.divide = group, sizes, divide
+        return gather_shards(shard, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, widest = ctx.sizes, max(ctx.sizes)
+        world = len(sizes)
+        parts = list(grad.split(sizes))
+        padded = torch.cat([_pad_rows(p, widest) for p in parts]) if world > 1 else grad
+        out = grad.new_empty((widest, *grad.shape[1:]))
+        _reduce_scatter(out, padded.contiguous(), group=ctx.group)
+        mine = out[:sizes[dist.get_rank(ctx.group)]]
+        return mine.div_(ctx.divide), None, None, None
+
+
+def gather_shards(shard: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """The whole tensor from every rank's ``sizes[r]`` rows (no gradient)."""
+    widest = max(sizes)
+    parts = [shard.new_empty((widest, *shard.shape[1:])) for _ in sizes]
+    dist.all_gather(parts, _pad_rows(shard.detach(), widest), group=group)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes, strict=True)])
+
+
+def columns_to_rows(tensor: torch.Tensor, group, sizes: list[int], rows: int) -> torch.Tensor:
+    """``[n_r, V]`` (this rank's rows, every column) to ``[world * rows, sizes[rank]]`` (every
+    rank's rows, padded to ``rows`` each, this rank's columns): one all-to-all. No gradient
+    (a teacher's logits)."""
+    rank = dist.get_rank(group)
+    padded = _pad_rows(tensor.detach(), rows)
+    blocks = padded.split(sizes, dim=-1)
+    send = torch.cat([b.reshape(-1) for b in blocks])
+    receive = padded.new_empty(len(sizes) * rows * sizes[rank])
+    dist.all_to_all_single(receive, send, [rows * sizes[rank]] * len(sizes),
+                           [rows * s for s in sizes], group=group)
+    return receive.view(len(sizes) * rows, sizes[rank])
