@@ -635,7 +635,22 @@ def _rate_spread(mode, batch=1):
     return f" [{units / max(times):,.0f}-{units / min(times):,.0f}]"
 
 
+def _upgrade(saved) -> None:
+    """Results saved before layouts (format-1 stores by ``dtype``) in today's terms."""
+    for s in saved["results"]:
+        if "layout" not in s:
+            s["layout"] = s["dtype"]
+            s["entries"] = round(s["kept_mean"] * s["tokens"])
+            total = s["bytes"] + s["manifest_bytes"]
+            s["total_bytes_per_token"] = total / s["tokens"]
+            s["total_bytes_per_entry"] = total / s["entries"]
+    for c in (saved.get("loss") or {}).get("cases", []):
+        c.setdefault("layout", c.get("dtype"))
+        c.setdefault("rows", "peaked")
+
+
 def format_table(saved) -> str:
+    _upgrade(saved)
     meta, stores = saved["meta"], saved["results"]
     k = meta["k"]
     lines = [
@@ -773,7 +788,7 @@ def format_table(saved) -> str:
                   "|---|---|---|---:|---:|---:|---:|---:|---|"]
         for c in loss["cases"]:
             top_p = "-" if c["top_p"] is None else f"{c['top_p']:g}"
-            rows = "LM-like" if c["rows"] == "lm" else "normal"
+            rows = {"lm": "LM-like", "normal": "normal"}.get(c["rows"], c["rows"])
             lines.append(f"| {rows} | {c['layout']} | {top_p} | {c['kept_mean']:.1f} "
                          f"| {c['online']:.7g} | {c['stored']:.7g} | {c['rel_diff']:.1e} "
                          f"| {c['max_logprob_diff']:.1e} "

@@ -82,9 +82,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     build.add_argument("--max-length", type=_int_at_least(1), metavar="L",
                        help="truncate every sequence to L tokens (default: no truncation)")
     build.add_argument("--exact", action="store_true",
-                       help="store the float32 log-probs losslessly (about 4.9 B per kept "
-                       "entry at K=64, V=151,936; default: the compact codec, about 2.7 B, "
-                       "log-probs to 1/32 nat)")
+                       help="store the float32 log-probs losslessly (about 4.8 B per kept "
+                       "entry at K=64, V=151,936; default: the compact codec, about 2.8 B, "
+                       "log-probs within 1/64 nat)")
     build.add_argument("--logprob-dtype", choices=("float16", "bfloat16", "float32"),
                        help="store the format-1 layout instead: int32 indices and log-probs "
                        "in this dtype (6-8 B per entry; what older stores hold)")

@@ -137,6 +137,29 @@ def test_exact_keeps_every_bit_and_ties_go_to_the_lower_index():
         torch.int32).tolist()
 
 
+@pytest.mark.parametrize("codec", ["exact", "compact"])
+def test_largest_vocabulary_and_widest_codes(codec):
+    """V = 2**31 - 2 with codes of 32 bits (log-probs from -1e-30 to -1e30) and rows of
+    several lengths: the key no longer fits beside a row number, and the rows sort apart."""
+    vocab = 2**31 - 2
+    indices = torch.tensor([[vocab - 1, 0, 7, -1], [5, -1, -1, -1], [1, 2, 3, 4],
+                            [vocab - 2, 9, -1, -1], [-1, -1, -1, -1]])
+    values = torch.tensor([[-1e-30, -3.0, -3.0, -math.inf], [-0.5, -math.inf, -math.inf,
+                           -math.inf], [-1.0, -2.0, -1e30, -math.inf], [-7.0, -7.0, -math.inf,
+                           -math.inf], [-math.inf] * 4])
+    values[2, 3] = -math.inf  # a kept entry of probability 0
+    values = torch.where(indices >= 0, values, -math.inf)
+    teacher = topkd.SparseTeacher(indices, values, torch.full((5,), -1.0), 1.0, vocab)
+    got = through_codec(teacher, codec)
+    _assert_ordered(got)
+    want_indices, want_logprobs = _canonical(teacher)
+    assert torch.equal(got.indices, want_indices)
+    if codec == "exact":
+        assert torch.equal(got.logprobs.view(torch.int32), want_logprobs.view(torch.int32))
+    else:
+        assert torch.equal(torch.isinf(got.logprobs), torch.isinf(want_logprobs))
+
+
 def test_compact_payload_size():
     """At K = 64, V = 151,936 on LM-like rows the compact codec takes the bits its layout
     says (Elias-Fano indices: 11 low bits + 139 unary bits a row; codes of 8 bits), and the

@@ -8,6 +8,7 @@ from .build import build_store
 from .data import TeacherDataset, collate, require_keys
 from .format import token_hash
 from .reader import MissingSampleError, TeacherStore, collate_teachers
+from .serving import import_jsonl, teacher_from_logprobs
 from .verify import verify_store
 from .writer import TeacherStoreWriter
 
@@ -25,5 +26,5 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 __all__ = ["TeacherStore", "TeacherStoreWriter", "TeacherDataset", "MissingSampleError",
-           "build_store", "collate", "collate_teachers", "require_keys", "token_hash",
-           "tokenizer_fingerprint", "verify_store"]
+           "build_store", "collate", "collate_teachers", "import_jsonl", "require_keys",
+           "teacher_from_logprobs", "token_hash", "tokenizer_fingerprint", "verify_store"]

@@ -1,4 +1,4 @@
-"""Bit packing with numpy: unsigned fields of one width up to 57 bits, packed back to back,
+"""Bit packing with numpy: unsigned fields of one width up to 64 bits, packed back to back,
 least significant bit first, and Elias-Fano's unary-coded high parts.
 
 Everything is vectorized over the fields; no Python loop runs per row or per field.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-MAX_WIDTH = 57  # a field plus its bit shift (<= 7) fits the 64-bit word a read takes
+MAX_WIDTH = 64
 
 
 def pack(values: np.ndarray, width: int) -> np.ndarray:
@@ -43,10 +43,16 @@ def unpack(data: np.ndarray, count: int, width: int) -> np.ndarray:
     out = np.empty((groups, 8), word)
     little = _LITTLE[word]
     for j in range(8):
-        words = np.ndarray(shape=(groups,), dtype=little, buffer=padded,
-                           offset=(j * width) // 8, strides=(width,))
-        np.right_shift(words, word((j * width) % 8), out=out[:, j])
-    out &= word((1 << width) - 1)
+        offset, shift = (j * width) // 8, (j * width) % 8
+        words = np.ndarray(shape=(groups,), dtype=little, buffer=padded, offset=offset,
+                           strides=(width,))
+        np.right_shift(words, word(shift), out=out[:, j])
+        if width + shift > 64:  # the field runs into the next word
+            more = np.ndarray(shape=(groups,), dtype=little, buffer=padded,
+                              offset=offset + 8, strides=(width,))
+            out[:, j] |= more << word(64 - shift)
+    if width < 64:
+        out &= word((1 << width) - 1)
     return out.reshape(-1)[:count]
 
 
@@ -55,8 +61,8 @@ _LITTLE = {np.uint32: np.dtype("<u4"), np.uint64: np.dtype("<u8")}
 
 def padded_bytes(count: int, width: int) -> int:
     """The bytes :func:`unpack` reads for ``count`` fields of ``width`` bits: whole groups of
-    8 fields plus one 8-byte word."""
-    return ((count + 7) // 8) * width + 8 if count and width else 0
+    8 fields plus one 8-byte word (two for fields wider than 57 bits)."""
+    return ((count + 7) // 8) * width + (8 if width <= 57 else 16) if count and width else 0
 
 
 def pack_unary(positions: np.ndarray, total_bits: int) -> np.ndarray:

@@ -40,7 +40,6 @@ import numpy as np
 
 from . import bitpack
 
-CODECS = ("compact", "exact")  # top-K rows; sampled rows have "counts" (encode_counts)
 COMPACT_STEP = 1.0 / 32
 MAX_STEPS = 2**24 - 2
 NEG_INF_FLAG = 0x40
@@ -57,19 +56,8 @@ def high_values(vocab_size: int, k: int) -> int:
     return ((vocab_size - 1) >> low_bits(vocab_size, k)) + 1
 
 
-def index_bits(vocab_size: int) -> int:
-    return max(1, (vocab_size - 1).bit_length())
-
-
 def _section_bytes(bits: int) -> int:
     return (bits + 7) // 8
-
-
-def payload_bytes(counts: np.ndarray, width: int, vocab_size: int, k: int) -> int:
-    """The payload size of rows with these kept ``counts`` and code ``width``."""
-    entries = int(counts.sum())
-    unary = entries + len(counts) * high_values(vocab_size, k)
-    return _section_bytes(unary) + bitpack.padded_bytes(entries, low_bits(vocab_size, k) + width)
 
 
 # -- float32 <-> an integer that grows as the value falls ---------------------------------
@@ -166,6 +154,22 @@ def _unary_offsets(rows: int, k: int, hv: int) -> np.ndarray:
 
 # -- decoding -----------------------------------------------------------------------------
 
+_ALLOCATOR_WARM = False
+
+
+def _warm_allocator() -> None:
+    """Make the process's ``malloc`` serve a decode's arrays (100 KiB - 2 MiB each) from its
+    heap. glibc's hands out blocks above 128 KiB as fresh memory maps, whose pages are zeroed
+    and faulted in on first touch, until a freed block that large raises its threshold: in a
+    fresh process (a DataLoader worker) that made every read 4x slower. One 16 MiB block,
+    allocated and freed once, raises it (other allocators are not hurt by this)."""
+    global _ALLOCATOR_WARM
+    if not _ALLOCATOR_WARM:
+        _ALLOCATOR_WARM = True
+        block = np.empty(16 << 20, np.uint8)
+        del block
+
+
 def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
            counts: np.ndarray | None, vocab_size: int, k: int, step: float | None = None):
     """Decode one sequence: ``(indices int64 [R, K], logprobs float32 [R, K])``, each row
@@ -173,6 +177,7 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     ``counts`` None: every row keeps ``k`` entries; ``step``: the compact codec's step (the
     manifest's ``logprob_step``; default :data:`COMPACT_STEP`). Raises ValueError when the
     payload does not hold what the row arrays say."""
+    _warm_allocator()
     rows = len(row_base)
     full = counts is None
     if not full:
@@ -181,8 +186,8 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     bits = width & WIDTH_MASK
     hv, low = high_values(vocab_size, k), low_bits(vocab_size, k)
     expected = (_section_bytes(entries + rows * hv)
-                + bitpack.padded_bytes(entries, low + bits))  # (payload_bytes, unrolled)
-    if len(payload) != expected or bits > 32 or bits + low > 57:
+                + bitpack.padded_bytes(entries, low + bits))
+    if len(payload) != expected or bits > 32:
         raise ValueError(f"the payload has {len(payload)} bytes and code width {bits}, its "
                          f"rows need {expected} bytes and a width of at most 32")
     unary_bits = entries + rows * hv
@@ -211,27 +216,38 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     key = key.view(np.int32 if word is np.uint32 else np.int64)  # (the top bit is clear)
     if full:
         key = key.reshape(rows, k)
+        key.sort(axis=1)  # (an int32 sort is twice as fast as an int64 one)
+        base = row_base[:, None]
+    elif max(rows - 1, 0).bit_length() + bits + shift <= 63:
+        # rows of several lengths: one sort of (row, key), then the entries fill each row's
+        # first slots in order (a boolean mask assigns in that order)
+        key = key.astype(np.int64) | (row_of << (bits + shift))
+        key.sort()
+        key &= (1 << (bits + shift)) - 1
+        base = row_base[row_of]
     else:
         starts = np.cumsum(counts) - counts
         padded = np.full((rows, k), np.iinfo(key.dtype).max, key.dtype)
         padded[row_of, np.arange(entries) - starts[row_of]] = key
-        key = padded
-    key.sort(axis=1)  # (an int32 sort is twice as fast as an int64 one)
+        padded.sort(axis=1)
+        used = np.arange(k)[None, :] < counts[:, None]
+        key, base = padded[used], row_base[row_of]
     out_indices = np.bitwise_and(key, (1 << shift) - 1, dtype=np.int64)
     out_codes = key >> shift
     if codec == "exact":
-        logprobs = _from_descending_key(out_codes.astype(np.uint32)
-                                        + row_base.view(np.uint32)[:, None])
+        logprobs = _from_descending_key(out_codes.astype(np.uint32) + base.view(np.uint32))
     else:
         step = COMPACT_STEP if step is None else step
         logprobs = np.multiply(out_codes, np.float32(-step), dtype=np.float32)
-        logprobs += row_base[:, None]
+        logprobs += base
         if width & NEG_INF_FLAG:
             logprobs[out_codes == (1 << bits) - 1] = -math.inf
     if not full:
-        unused = np.arange(k)[None, :] >= counts[:, None]
-        out_indices[unused] = -1
-        logprobs[unused] = -math.inf
+        used = np.arange(k)[None, :] < counts[:, None]
+        flat_indices, flat_logprobs = out_indices, logprobs
+        out_indices = np.full((rows, k), -1, np.int64)
+        logprobs = np.full((rows, k), -math.inf, np.float32)
+        out_indices[used], logprobs[used] = flat_indices, flat_logprobs
     return out_indices, logprobs
 
 

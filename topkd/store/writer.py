@@ -34,9 +34,10 @@ class TeacherStoreWriter:
         top_p, top_p_min_k, temperature: the selection's settings, recorded in the manifest;
             every added teacher must have this ``k``, temperature and vocabulary.
         codec: how the kept entries are stored. ``"compact"`` (the default): indices
-            Elias-Fano coded, log-probs rounded to 1/16 nat relative to the row's largest,
-            the kept mass preserved (about 2.7 bytes per entry at K = 64, V = 151,936).
-            ``"exact"``: the float32 log-probs bit for bit (about 4.9 bytes per entry there).
+            Elias-Fano coded, log-probs rounded to 1/32 nat relative to the row's largest,
+            the kept mass preserved (about 2.8 bytes per entry at K = 64, V = 151,936,
+            everything counted). ``"exact"``: the float32 log-probs bit for bit (about 4.8
+            bytes per entry there).
             ``"plain"``: the fixed-width layout of format 1 (int32 indices, log-probs in
             ``logprob_dtype``), which older stores have; given ``logprob_dtype`` alone, it is
             this one. The ghost log-mass is float32 in every case, stored as given.
