@@ -284,11 +284,11 @@ def decode_counts(payload: np.ndarray, width: int, row_lengths: np.ndarray, voca
     entries = int(row_lengths.sum())
     if width > 8 or bool((row_lengths > samples).any()):
         raise ValueError(f"code width {width} or row lengths above samples={samples}")
-    expected = payload_bytes(row_lengths, width, vocab_size, samples)
-    if len(payload) != expected:
-        raise ValueError(f"the payload has {len(payload)} bytes, its rows need {expected}")
     low, hv = low_bits(vocab_size, samples), high_values(vocab_size, samples)
     unary_bits = entries + rows * hv
+    expected = _section_bytes(unary_bits) + bitpack.padded_bytes(entries, low + width)
+    if len(payload) != expected:
+        raise ValueError(f"the payload has {len(payload)} bytes, its rows need {expected}")
     at = _section_bytes(unary_bits)
     ones = bitpack.unpack_unary(payload[:at], unary_bits)
     if len(ones) != entries:
