@@ -462,3 +462,18 @@ def test_padding_free_trains_as_padded_batches(setup, tmp_path, capsys, one_thre
         assert len(kd) == 3 and kd_packed == pytest.approx(kd, rel=1e-5), source
         assert _max_diff(weights_packed, weights) < 1e-5, source
         assert _max_diff(weights, _weights(setup / "student")) > 1e-3
+
+
+def test_a_sampled_store_distills(setup, tmp_path, capsys):
+    """``topkd distill --store`` of a store built with ``--samples``: trains (forward KL), and
+    a divergence that samples cannot estimate is refused before any model is loaded."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(4, 6)))
+    store = tmp_path / "store"
+    build_store(setup / "teacher", data, store, samples=12, progress=False)
+    base = ["distill", "--store", str(store), "--student", str(setup / "student"), "--data",
+            str(data), "--max-steps", "2", "--batch-size", "2", "--no-progress"]
+    code, out, err = _run(base + ["--out", str(tmp_path / "o1")], capsys)
+    assert code == 0, err
+    code, _, err = _run(base + ["--divergence", "jsd", "--out", str(tmp_path / "o2")], capsys)
+    assert code == 1 and "divergence" in err and "sampled" in err
