@@ -69,3 +69,30 @@ def test_zero3_partitioned_head_refused(tmp_path):
     trainer = KDTrainer(model=_zero3_student(), teacher=teacher,
                         args=worker.hf_worker.config(tmp_path, fused=False))
     assert trainer.vocab_size == worker.V
+
+
+def test_distill_fsdp_settings_build_accelerates_fsdp2_plugin(tmp_path):
+    """``topkd distill --fsdp``: the TrainingArguments settings give accelerate's FSDP2 plugin
+    (fsdp_version 2, the decoder layers wrapped, the root resharded after forward). The run
+    itself needs GPUs: on CPU it is refused before any model is loaded."""
+    from topkd.cli import build_parser
+    from topkd.hf import KDConfig
+    from topkd.hf.distill import distill, fsdp_settings
+
+    settings = fsdp_settings(worker.models("tied, plain teacher, gather")[0])
+    args = KDConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **settings)
+    plugin = args.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 2
+    assert plugin["reshard_after_forward"] is True
+    assert plugin["auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert plugin["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
+    parsed = build_parser().parse_args(["distill", "--student", "s", "--teacher", "t",
+                                        "--data", "d.jsonl", "--out", "o", "--fsdp"])
+    assert parsed.fsdp is True
+    for name in ("student", "teacher"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n')
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA GPUs"):
+            distill(str(tmp_path / "student"), str(tmp_path / "d.jsonl"), str(tmp_path / "o"),
+                    teacher=str(tmp_path / "teacher"), fsdp=True)
