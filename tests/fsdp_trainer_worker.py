@@ -27,7 +27,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
 
 import hf_worker  # noqa: E402
 
-V = 101  # shards of 51/50 rows (2 ranks)
+V = 101  # shards of 51/50 rows (2 ranks), 34/34/33 (3 ranks)
 STEPS = 3
 ITEMS_PER_RANK = 2
 LR = 0.5

@@ -1,6 +1,6 @@
 """topkd.hf.KDTrainer under FSDP2: the trainer's own training step (compute_loss: the head
 lookup, the teacher's forward, the fused call with the head as the DTensor FSDP leaves it) on a
-student wrapped by ``fully_shard`` in 2 gloo ranks equals one process after three SGD steps;
+student wrapped by ``fully_shard`` in 2 and 3 gloo ranks equals one process after three SGD steps;
 FSDP1 and a DeepSpeed ZeRO-3 partitioned head are refused on the fused path with the ways out.
 (The work of the ranks is in tests/fsdp_trainer_worker.py.)"""
 
@@ -26,11 +26,13 @@ PARAM_ATOL = 1e-5
 DEADLINE_S = 120
 
 
-@pytest.mark.parametrize("case", list(worker.CASES))
-def test_fsdp2_training_steps_equal_one_process(case, tmp_path):
-    helpers.spawn_ranks(worker.worker, 2, (2, [case], str(tmp_path)), tmp_path, DEADLINE_S)
+@pytest.mark.parametrize(("case", "world"), [(case, 2) for case in worker.CASES]
+                         + [("tied, sharded teacher, top-k", 3)])  # 3: shards of 34/34/33
+def test_fsdp2_training_steps_equal_one_process(case, world, tmp_path):
+    helpers.spawn_ranks(worker.worker, world, (world, [case], str(tmp_path)), tmp_path,
+                        DEADLINE_S)
     sharded = torch.load(tmp_path / f"{worker._slug(case)}.pt")
-    ref = worker.reference(case, 2, tmp_path / "ref")
+    ref = worker.reference(case, world, tmp_path / "ref")
     initial = dict(worker.models(case)[0].named_parameters())
     assert sharded.keys() == ref.keys()
     for name, p in ref.items():
