@@ -161,8 +161,8 @@ def run_fsdp1(rank, world, result_dir, failures):
         trainer.compute_loss(wrapped, batch, num_items_in_batch=torch.tensor(10))
     except ValueError as e:
         text = str(e)
-        if not all(word in text for word in ("FSDP1", "fully_shard", "fsdp_version=2",
-                                             "fused=False")):
+        if not all(word in text for word in ("the student is wrapped in FSDP1", "fully_shard",
+                                             "fsdp_version=2", "fused=False")):
             failures.append(f"FSDP1: the ValueError does not name the ways out: {text}")
     else:
         failures.append("FSDP1 with the fused head: no ValueError")

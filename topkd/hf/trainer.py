@@ -262,7 +262,11 @@ class KDTrainer(Trainer):
         if self.store is not None:
             teacher = self._stored(inputs, keep)
         if args.fused:
+            # refused before any forward (FSDP1 arrives wrapped here, from the Trainer); the
+            # heads themselves are read after the forwards, as FSDP leaves them
+            fused_head(model, "student")
             if self.store is None:
+                fused_head(self.teacher, "teacher")
                 with torch.no_grad(), self.accelerator.autocast():
                     t_hidden, probe = self._teacher_hidden(self.teacher, input_ids, attention,
                                                            positions)
