@@ -134,6 +134,10 @@ class KDTrainer(Trainer):
     weight's gradient lands in its float32 ``.grad``; with bf16 parameters everything is bf16.
     Tied embeddings receive the head's gradient through the shared Parameter. Softcap and
     logit scale come from each model's config and are checked once against its real logits.
+    Under FSDP2 (``fully_shard``; accelerate ``fsdp_version=2``) a head sharded by rows goes to
+    the fused loss as the DTensor it is (``KDConfig.sharded_head``); a teacher already wrapped
+    by ``fully_shard`` on the same mesh is used as it is (the trainer does not wrap one). FSDP1
+    and DeepSpeed ZeRO-3 partitioned heads are refused (ValueError): use ``fused=False``.
 
     ``teacher_tokenizer``: when given (online) its fingerprint must equal the student's
     tokenizer's; a store's recorded fingerprint is checked likewise. The vocabulary is the
