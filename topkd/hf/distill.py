@@ -40,7 +40,7 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
             seed: int = 42, save_steps: int = 500, save_total_limit: int | None = 2,
             logging_steps: int = 10, eval_steps: int | None = None, resume: bool = False,
             text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
-            progress: bool = True) -> dict:
+            progress: bool = True, fsdp: bool = False) -> dict:
     """Distill ``teacher`` (a model directory) or a teacher ``store`` into ``student`` (a model
     directory) over ``data``, and save the student to ``out``.
 
@@ -81,6 +81,8 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         resume: continue from the newest complete checkpoint in ``out`` (none: start afresh).
             The run's settings must be those recorded in ``out``.
         progress: the Trainer's progress bars.
+        fsdp: shard the student with FSDP2 through accelerate's plugin
+            (:func:`fsdp_settings`); CUDA GPUs only (a ValueError without them).
 
     Under ``torchrun`` every rank calls this; the Trainer shards the batches (DDP, NCCL on
     CUDA, gloo on CPU). Returns a summary: ``steps``, ``epochs``, ``kd`` (the last logged KD
@@ -97,6 +99,9 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
     for name, path in (("data", data), ("eval_data", eval_data)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"{name} file {os.fspath(path)!r} does not exist")
+    if fsdp and not torch.cuda.is_available():
+        raise ValueError("fsdp=True (--fsdp) needs CUDA GPUs: accelerate runs FSDP on GPUs only "
+                         "(on CPU the Trainer would fall back to DDP); leave it out to run DDP")
     if teacher_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"teacher_dtype must be auto, float32, bfloat16 or float16, got "
                          f"{teacher_dtype!r}")
@@ -153,7 +158,8 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         "bf16": bool(bf16), "teacher_dtype": None if store is not None else teacher_dtype,
         "seed": seed, "world_size": world, "text_field": text_field, "id_field": id_field,
         "ids_field": ids_field, "save_steps": save_steps, "save_total_limit": save_total_limit,
-        "logging_steps": logging_steps, "eval_steps": eval_steps, "progress": bool(progress)}
+        "logging_steps": logging_steps, "eval_steps": eval_steps, "progress": bool(progress),
+        **({"fsdp": True} if fsdp else {})}  # (absent when off: older runs still resume)
     checkpoint = _resume_point(out, settings, resume)
 
     from transformers import AutoModelForCausalLM
@@ -207,7 +213,8 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         # without CUDA, use_cpu: else accelerate starts a process group under torchrun but
         # does not see a distributed run (no DDP, the ranks train apart)
         use_cpu=not torch.cuda.is_available(),
-        ddp_backend="gloo" if world > 1 and not torch.cuda.is_available() else None)
+        ddp_backend="gloo" if world > 1 and not torch.cuda.is_available() else None,
+        **(fsdp_settings(model) if fsdp else {}))
     source = {"store": opened} if store is not None else {
         "teacher": teacher_model, "teacher_tokenizer": teacher_tokenizer}
     trainer = KDTrainer(model=model, args=config, train_dataset=train, eval_dataset=evaluation,
@@ -237,6 +244,23 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
             "eval_after": after, "resumed_from": checkpoint, "samples": len(train),
             "tokens": train.tokens, "skipped": train.skipped,
             "seconds": time.perf_counter() - start, "rank": rank, "world_size": world}
+
+
+def fsdp_settings(model) -> dict:
+    """The ``TrainingArguments`` settings of an FSDP2 run under accelerate's plugin: every
+    decoder layer (the model's ``_no_split_modules`` classes) and the root wrapped by
+    ``fully_shard`` with ``reshard_after_forward=True`` (full sharding), so the student's LM
+    head reaches the fused loss as a DTensor sharded by rows; full state dicts saved. The
+    teacher stays whole on every rank (the Trainer prepares the student only)."""
+    layers = sorted(set(getattr(model, "_no_split_modules", None) or ()))
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class "
+                         f"(_no_split_modules) for FSDP to wrap")
+    return {"fsdp": True,
+            "fsdp_config": {"version": 2, "reshard_after_forward": True,
+                            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                            "transformer_layer_cls_to_wrap": layers,
+                            "state_dict_type": "FULL_STATE_DICT"}}
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -460,4 +484,4 @@ def _write_json(path: str, value: dict) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["SETTINGS_FILE", "distill", "last_checkpoint", "summary_lines"]
+__all__ = ["SETTINGS_FILE", "distill", "fsdp_settings", "last_checkpoint", "summary_lines"]

@@ -34,6 +34,61 @@ def head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     return output.weight, getattr(output, "bias", None)
 
 
+def rows(weight: torch.Tensor) -> int:
+    """A weight's whole row count: a DTensor's global shape, a DeepSpeed ZeRO-3 partitioned
+    parameter's ``ds_shape`` (its own shape is empty outside the module's forward)."""
+    shape = getattr(weight, "ds_shape", None)
+    return int(shape[0]) if shape is not None and len(shape) else int(weight.shape[0])
+
+
+def is_fsdp2(model) -> bool:
+    """Whether ``model`` was wrapped by FSDP2's ``fully_shard`` (an ``FSDPModule``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _fsdp1():
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch without torch.distributed
+        return None
+    return FullyShardedDataParallel
+
+
+def fused_head(model, role: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`head` for the fused losses, which use the head outside the model's forward: an
+    FSDP2 head (a DTensor sharded by rows) is returned as it is, the loss takes it; a head
+    that the loss cannot use (FSDP1's flattened parameters, a DeepSpeed ZeRO-3 partition) is
+    refused with a ValueError naming the ways out. ``role``: ``"student"`` or ``"teacher"``."""
+    fsdp1 = _fsdp1()
+    if fsdp1 is not None and isinstance(model, torch.nn.Module) \
+            and any(isinstance(m, fsdp1) for m in model.modules()):
+        raise ValueError(
+            f"the {role} is wrapped in FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel), "
+            f"whose flattened parameters leave the LM head unusable outside the model's "
+            f"forward; the fused loss takes an FSDP2 head: shard with fully_shard (accelerate: "
+            f"fsdp_version=2, i.e. fsdp_config={{'fsdp_version': 2}}), or use fused=False (the "
+            f"models' own logits)")
+    weight, bias = head(model)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if hasattr(p, "ds_id") or hasattr(p, "ds_status") or p.numel() == 0:
+            shape = tuple(getattr(p, "ds_shape", ()) or ())
+            raise ValueError(
+                f"the {role}'s LM head {name} is partitioned by DeepSpeed ZeRO-3 (a parameter "
+                f"with ds_id/ds_status, holding {p.numel()} of its {shape or 'whole'} values "
+                f"outside the model's forward): the fused loss uses the head outside the "
+                f"forward, and ZeRO-3 would neither gather it nor reduce its gradient. Use "
+                f"fused=False (the models' own logits), ZeRO stage 1 or 2, or FSDP2 "
+                f"(fully_shard / accelerate fsdp_version=2), whose sharded head the fused loss "
+                f"takes")
+    return weight, bias
+
+
 def logit_transform(model) -> tuple[float, float | None]:
     """``(logit_scale, softcap)`` the model applies to ``F.linear(hidden, weight, bias)``:
     Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``, Gemma's
@@ -78,7 +133,7 @@ def vocabulary(tokenizer, widths: dict[str, int]) -> int:
 
 def embedding_rows(model) -> int:
     """How many token ids the model's input embeddings take."""
-    return unwrap(model).get_input_embeddings().weight.shape[0]
+    return rows(unwrap(model).get_input_embeddings().weight)
 
 
 class FinalHidden:
@@ -123,6 +178,8 @@ class FinalHidden:
         hidden, self._hidden = self._hidden, None
         if hidden is None:
             raise RuntimeError(f"the decoder {type(self.decoder).__name__} did not run")
+        if is_fsdp2(model) and torch.is_grad_enabled() and output.logits.requires_grad:
+            hidden = _Anchor.apply(hidden, output.logits)
         return hidden, output.logits[:, 0]
 
     def check(self, model, hidden: torch.Tensor, logits: torch.Tensor) -> None:
@@ -131,17 +188,25 @@ class FinalHidden:
         would make the fused loss wrong)."""
         if self.checked:
             return
-        weight, bias = head(model)
+        weight, bias = fused_head(model, "model")
         with torch.no_grad():
             theirs = logits.float()
-            if not bool(torch.isfinite(theirs).all()):
-                raise NonFiniteError(f"{type(unwrap(model)).__name__}'s logits are not finite "
-                                     f"(NaN or inf) at the last position of the batch")
+            weight, bias, theirs, group = _own_rows(weight, bias, theirs)
             ours = transformed(F.linear(hidden[:, -1].float(), weight.float(),
                                         None if bias is None else bias.float()),
                                self.scale, self.softcap)
-            error = (ours - theirs).abs().max().item()
-            size = theirs.abs().max().item()
+            nonfinite = float(not bool(torch.isfinite(theirs).all()))
+            error = (ours - theirs).abs().max().item() if theirs.numel() else 0.0
+            size = theirs.abs().max().item() if theirs.numel() else 0.0
+            if group is not None:  # every rank of a sharded head decides alike
+                found = torch.tensor([nonfinite, error if math.isfinite(error) else math.inf,
+                                      size], dtype=torch.float64, device=theirs.device)
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX,
+                                             group=group)
+                nonfinite, error, size = found.tolist()
+            if nonfinite:
+                raise NonFiniteError(f"{type(unwrap(model)).__name__}'s logits are not finite "
+                                     f"(NaN or inf) at the last position of the batch")
         tolerance = (0.02 if min(hidden.dtype.itemsize, logits.dtype.itemsize) < 4 else 1e-4)
         if not math.isfinite(error) or error > tolerance * max(size, 1.0):
             raise RuntimeError(
@@ -150,6 +215,40 @@ class FinalHidden:
                 f"logit_scale={self.scale}, softcap={self.softcap} read from its config): its "
                 f"head does something the fused loss does not know; use fused=False")
         self.checked = True
+
+
+def _own_rows(weight, bias, logits):
+    """For a head sharded by rows (an FSDP2 DTensor): this rank's rows of the weight and bias
+    and its columns of ``logits`` ``[B, V]``, and the mesh's group; else all of them and None
+    (the check then needs no gathered head)."""
+    from .. import sharded
+
+    if not sharded.is_dtensor(weight):
+        return weight, bias, logits, None
+    mesh = weight.device_mesh
+    rank, world = mesh.get_local_rank(), mesh.size()
+    start = sum(sharded.shard_sizes(weight.shape[0], world)[:rank])
+    local = weight.to_local()
+    if bias is not None:
+        bias = bias.to_local() if sharded.is_dtensor(bias) else bias[start:start + len(local)]
+    return local, bias, logits[:, start:start + local.shape[0]], mesh.get_group()
+
+
+class _Anchor(torch.autograd.Function):
+    """``hidden`` unchanged, its backward also giving the model's output ``logits`` a zero
+    gradient. FSDP2 unshards a root's parameters for backward from a hook on the root's
+    outputs; the fused loss's gradient enters at the decoder's output, an inner tensor, so
+    without this the hook never fires and the final norm's backward reads freed storage."""
+
+    @staticmethod
+    def forward(ctx, hidden, logits):
+        ctx.logits = (logits.shape, logits.dtype, logits.device)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.logits
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 class NonFiniteError(ValueError):

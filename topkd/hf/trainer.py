@@ -22,8 +22,11 @@ from .models import (
     FinalHidden,
     NonFiniteError,
     embedding_rows,
+    fused_head,
     head,
+    is_fsdp2,
     nonfinite_rows,
+    rows,
     vocabulary,
 )
 from .packing import Layout, PackingCheck, learned
@@ -66,6 +69,9 @@ class KDConfig(TrainingArguments):
     chunk_bytes: int | None = field(default=None, metadata={"help": "the loss's work budget"})
     impl: str = field(default="auto", metadata={"help": "the loss kernels: auto, eager or "
                                                 "compile"})
+    sharded_head: str = field(default="vocab_parallel", metadata={
+        "help": "an FSDP2-sharded LM head (fully_shard, accelerate fsdp_version=2): "
+                "vocab_parallel or gather (see docs/scaling.md)"})
     text_field: str = field(default="text", metadata={
         "help": "items with this field and no input_ids are tokenized by processing_class"})
     max_length: int | None = field(default=None, metadata={
@@ -86,6 +92,7 @@ class KDConfig(TrainingArguments):
                          divergence=self.kd_divergence(), kd_weight=self.kd_weight,
                          ce_weight=self.ce_weight, normalize=self.normalize,
                          chunk_bytes=self.chunk_bytes, impl=self.impl, reduction="sum",
+                         sharded_head=self.sharded_head,
                          return_components=True)
 
     def to_dict(self):
@@ -119,6 +126,10 @@ class KDTrainer(Trainer):
     weight's gradient lands in its float32 ``.grad``; with bf16 parameters everything is bf16.
     Tied embeddings receive the head's gradient through the shared Parameter. Softcap and
     logit scale come from each model's config and are checked once against its real logits.
+    Under FSDP2 (``fully_shard``; accelerate ``fsdp_version=2``) a head sharded by rows goes to
+    the fused loss as the DTensor it is (``KDConfig.sharded_head``); a teacher already wrapped
+    by ``fully_shard`` on the same mesh is used as it is (the trainer does not wrap one). FSDP1
+    and DeepSpeed ZeRO-3 partitioned heads are refused (ValueError): use ``fused=False``.
 
     ``teacher_tokenizer``: when given (online) its fingerprint must equal the student's
     tokenizer's; a store's recorded fingerprint is checked likewise. The vocabulary is the
@@ -143,9 +154,13 @@ class KDTrainer(Trainer):
         if store is not None:
             store = _open_store(store)
         _check_text_items(kwargs.get("train_dataset"), args, processing_class)
-        widths = {"student": head(model)[0].shape[0]}
+        if args.fused:  # a head the fused loss cannot take: refused before anything runs
+            fused_head(model, "student")
+            if teacher is not None:
+                fused_head(teacher, "teacher")
+        widths = {"student": rows(head(model)[0])}
         if teacher is not None:
-            widths["teacher"] = head(teacher)[0].shape[0]
+            widths["teacher"] = rows(head(teacher)[0])
         self.vocab_size = check_setup(k=args.k, top_p=args.top_p, temperature=args.temperature,
                                       widths=widths, tokenizer=processing_class, store=store,
                                       teacher_tokenizer=teacher_tokenizer,
@@ -174,9 +189,10 @@ class KDTrainer(Trainer):
         # token ids every model embeds (a larger one is an IndexError deep in the model)
         self._id_limit = min(embedding_rows(m) for m in (self.model, teacher) if m is not None)
         if teacher is not None:
-            teacher.eval().requires_grad_(False).to(self.args.device)
-            if any(t is not None and bool(nonfinite_rows(t.detach().reshape(1, -1)).any())
-                   for t in head(teacher)):
+            teacher.eval().requires_grad_(False)
+            if not is_fsdp2(teacher):  # (a fully_shard teacher is on its mesh's devices)
+                teacher.to(self.args.device)
+            if _nonfinite_head(teacher):
                 raise NonFiniteError("the teacher's output embeddings (its LM head) hold NaN or "
                                      "infinite values")
         self._student_hidden = FinalHidden(self.model) if args.fused else None
@@ -244,20 +260,24 @@ class KDTrainer(Trainer):
         if self.store is not None:
             teacher = self._stored(inputs, keep)
         if args.fused:
+            # refused before any forward (FSDP1 arrives wrapped here, from the Trainer); the
+            # heads themselves are read after the forwards, as FSDP leaves them
+            fused_head(model, "student")
             if self.store is None:
+                fused_head(self.teacher, "teacher")
                 with torch.no_grad(), self.accelerator.autocast():
                     t_hidden, probe = self._teacher_hidden(self.teacher, input_ids, attention,
                                                            positions)
                 self._check_teacher(nonfinite_rows(t_hidden[:, :-1]), keep, inputs,
                                     "its final hidden states")
                 self._teacher_hidden.check(self.teacher, t_hidden, probe)
-                t_weight, t_bias = head(self.teacher)
+                t_weight, t_bias = fused_head(self.teacher, "teacher")
                 teacher = (t_hidden[:, :-1][keep], t_weight) + (() if t_bias is None
                                                                 else (t_bias,))
             with self.accelerator.autocast():
                 hidden, probe = self._student_hidden(model, input_ids, attention, positions)
             self._student_hidden.check(model, hidden, probe)
-            weight, bias = head(model)
+            weight, bias = fused_head(model, "student")  # an FSDP2 DTensor as it is
             student = (hidden[:, :-1][keep], weight, bias)
             changes.update(logit_scale=self._student_hidden.scale,
                            softcap=self._student_hidden.softcap)
@@ -393,6 +413,26 @@ class _Parts:
     ce: torch.Tensor
     tokens: int
     kl: torch.Tensor | None = None
+
+
+def _nonfinite_head(teacher) -> bool:
+    """Whether the teacher's head holds a NaN or an infinity (a sharded head: any rank's rows,
+    every rank answering alike)."""
+    from .. import sharded
+
+    bad, group, device = False, None, None
+    for t in head(teacher):
+        if t is None:
+            continue
+        if sharded.is_dtensor(t):
+            group, t = t.device_mesh.get_group(), t.to_local()
+        device = t.device
+        bad = bad or (t.numel() > 0 and bool(nonfinite_rows(t.detach().reshape(1, -1)).any()))
+    if group is not None:
+        flag = torch.tensor([float(bad)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        bad = bool(flag.item())
+    return bad
 
 
 def _full_kl(options: KDOptions) -> KDOptions:
