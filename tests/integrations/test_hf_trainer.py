@@ -647,8 +647,10 @@ def test_a_non_finite_teacher_stops_training_before_the_optimizer(tmp_path, fuse
         assert torch.equal(p.detach(), before[name]), name
 
 
-def test_a_non_finite_stored_row_stops_training(offline, tmp_path):
-    from topkd.store import TeacherStoreWriter
+def test_a_non_finite_stored_row_stops_training(offline, tmp_path, monkeypatch):
+    """topkd's writer refuses a NaN row; a store that holds one anyway (written by other
+    software, or by a topkd that did not check) stops the training at that row, naming it."""
+    from topkd.store import TeacherStore, TeacherStoreWriter
 
     _, data, _ = offline
     path = tmp_path / "bad-store"
@@ -658,8 +660,20 @@ def test_a_non_finite_stored_row_stops_training(offline, tmp_path):
             with torch.no_grad():
                 logits = hf_worker.teacher()(input_ids=ids[None]).logits[0].float()
             if i == 1:
-                logits[2] = float("nan")
+                bad = logits.clone()
+                bad[2] = float("nan")
+                with pytest.raises(ValueError, match="sample 's1': .*not NaN"):
+                    writer.add(f"s{i}", ids, topkd.select_topk(bad, K))
             writer.add(f"s{i}", ids, topkd.select_topk(logits, K))
+    get = TeacherStore.get
+
+    def poisoned(self, sample_id, input_ids=None):
+        teacher = get(self, sample_id, input_ids)
+        if sample_id == "s1":
+            teacher.logprobs[2] = float("nan")
+        return teacher
+
+    monkeypatch.setattr(TeacherStore, "get", poisoned)
     stored = [{**item, "sample_id": f"s{i}"} for i, item in enumerate(data[:2])]
     trainer = trainer_for(tmp_path, hf_worker.student(), store=path, train_dataset=stored,
                           per_device_train_batch_size=2)
