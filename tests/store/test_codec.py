@@ -394,3 +394,62 @@ def test_store_info_shows_the_codec_and_bytes_per_entry(tmp_path, capsys):
     assert "codec: compact" in out and f"kept entries: {entries}\n" in out
     assert f"bytes per entry, manifest included: {total / entries:.3f}" in out
     assert f"bytes per token, manifest included: {total / 10:.3f}" in out
+
+
+def _reference_decode(name, payload, base, width, counts, vocab, k, step=COMPACT_STEP):
+    """The layout of ``codec.py`` read bit by bit, row by row (slow and plain): what
+    :func:`codec.decode` must return exactly."""
+    rows, bits = len(base), width & row_codec.WIDTH_MASK
+    low, hv = row_codec.low_bits(vocab, k), row_codec.high_values(vocab, k)
+    counts = np.full(rows, k) if counts is None else np.asarray(counts)
+    entries = int(counts.sum())
+    unary = np.unpackbits(payload, bitorder="little")[:entries + rows * hv]
+    at = (entries + rows * hv + 7) // 8
+    fbits = np.unpackbits(payload[at:], bitorder="little")[:entries * (bits + low)]
+    fields = (fbits.reshape(entries, bits + low).astype(np.uint64)
+              << np.arange(bits + low, dtype=np.uint64)).sum(-1) if entries else []
+    indices = np.full((rows, k), -1, np.int64)
+    logprobs = np.full((rows, k), -math.inf, np.float32)
+    entry, bit = 0, 0
+    for r in range(rows):
+        row_bits = unary[bit:bit + int(counts[r]) + hv]
+        bit += int(counts[r]) + hv
+        highs = np.flatnonzero(row_bits) - np.arange(int(counts[r]))
+        found = []
+        for high in highs:
+            field = int(fields[entry])
+            entry += 1
+            code, index = field >> low, (int(high) << low) | (field & ((1 << low) - 1))
+            found.append((code, index))
+        found.sort()
+        for slot, (code, index) in enumerate(found):
+            indices[r, slot] = index
+            if name == "exact":
+                key = np.array([code + int(base.view(np.uint32)[r])], np.uint32)
+                logprobs[r, slot] = row_codec._from_descending_key(key)[0]
+            elif width & row_codec.NEG_INF_FLAG and code == (1 << bits) - 1:
+                logprobs[r, slot] = -math.inf
+            else:
+                logprobs[r, slot] = np.float32(code) * np.float32(-step) + base[r]
+    return indices, logprobs
+
+
+@pytest.mark.parametrize("vocab,k", [(300, 7), (300, 64), (LM_VOCAB, LM_K), (2**18 + 1, 8)])
+@pytest.mark.parametrize("codec", ["exact", "compact"])
+@pytest.mark.parametrize("top_p", [None, 0.5])
+def test_decode_equals_a_plain_reading_of_the_layout(codec, vocab, k, top_p):
+    """The vectorized decoder returns exactly (every bit of every float) what reading the
+    layout entry by entry gives: full rows, rows of several lengths, and -inf entries."""
+    tokens, teacher = _teacher(40, vocab, k, seed=vocab + k, top_p=top_p, scale=6.0)
+    teacher.logprobs[3, k // 2:] = torch.where(teacher.indices[3, k // 2:] >= 0, -math.inf,
+                                               teacher.logprobs[3, k // 2:])
+    used = teacher.indices >= 0
+    counts = used.sum(-1).numpy().astype(np.int64)
+    payload, base, width = row_codec.encode(codec, teacher.indices[used].numpy(),
+                                            teacher.logprobs[used].numpy(), counts, vocab, k)
+    given = None if top_p is None else counts
+    got = row_codec.decode(codec, payload, base, width, given, vocab, k)
+    want = _reference_decode(codec, payload, base, width, given, vocab, k)
+    assert got[0].dtype == np.int64 and got[1].dtype == np.float32
+    assert np.array_equal(got[0], want[0])
+    assert np.array_equal(got[1].view(np.int32), want[1].view(np.int32))

@@ -25,9 +25,10 @@ def pack(values: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def unpack(data: np.ndarray, count: int, width: int) -> np.ndarray:
+def unpack(data: np.ndarray, count: int, width: int, mask: bool = True) -> np.ndarray:
     """``count`` fields of ``width`` bits (<= :data:`MAX_WIDTH`) packed back to back from the
-    start of ``data``: uint32 for widths up to 25, else uint64.
+    start of ``data``: uint32 for widths up to 25, else uint64. ``mask=False`` leaves the bits
+    above each field as they come (the next fields' bits; for a caller that masks anyway).
 
     Field ``8 g + j`` starts at byte ``g * width + (j * width) // 8``: for each ``j`` the
     fields sit at a fixed byte stride, so eight strided word reads unpack them all, with no
@@ -51,7 +52,7 @@ def unpack(data: np.ndarray, count: int, width: int) -> np.ndarray:
             more = np.ndarray(shape=(groups,), dtype=little, buffer=padded,
                               offset=offset + 8, strides=(width,))
             out[:, j] |= more << word(64 - shift)
-    if width < 64:
+    if mask and width < 64:
         out &= word((1 << width) - 1)
     return out.reshape(-1)[:count]
 

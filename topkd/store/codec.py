@@ -152,6 +152,12 @@ def _unary_offsets(rows: int, k: int, hv: int) -> np.ndarray:
             + np.arange(k, dtype=np.int64)).reshape(-1)
 
 
+@functools.lru_cache(maxsize=8)
+def _unary_offsets_shifted(rows: int, k: int, hv: int, low: int, word) -> np.ndarray:
+    """:func:`_unary_offsets` shifted left by ``low``, in ``word`` (wrapped around)."""
+    return (_unary_offsets(rows, k, hv) << low).astype(word)
+
+
 # -- decoding -----------------------------------------------------------------------------
 
 _ALLOCATOR_WARM = False
@@ -195,24 +201,30 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     ones = bitpack.unpack_unary(payload[:at], unary_bits)
     if len(ones) != entries:
         raise ValueError(f"the index bitmap holds {len(ones)} entries, the rows {entries}")
-    fields = bitpack.unpack(payload[at:], entries, bits + low)
+    # each field is code << low | the index's low bits, with other bits above it (masked here)
+    fields = bitpack.unpack(payload[at:], entries, bits + low, mask=False)
     shift = low + max(1, (hv - 1).bit_length())  # the key: code, then index
     if bits + shift > 31:
         fields = fields.astype(np.uint64)  # (a no-op when the fields are already)
     word = fields.dtype.type
-    high = np.empty(entries, word)
+    # The key, ``code << shift | high << low | low bits``, in unsigned words, built in place
+    # (any wrap-around on the way cancels out: the key itself is below 2**31, or 2**63).
     if full:
-        np.subtract(ones, _unary_offsets(rows, k, hv), out=high, casting="unsafe")
+        high = ones.astype(word)
+        high <<= word(low)
+        high -= _unary_offsets_shifted(rows, k, hv, low, word)
     else:
         row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
-        np.subtract(ones, np.arange(entries, dtype=np.int64) + row_of * hv, out=high,
-                    casting="unsafe")
-    high <<= word(low)
-    key = fields >> word(low)
-    key <<= word(shift)
+        high = ones - np.arange(entries, dtype=np.int64)
+        high -= row_of * hv
+        high = high.astype(word)
+        high <<= word(low)
+    key = np.bitwise_and(fields, word(((1 << bits) - 1) << low))
+    key <<= word(shift - low)
     fields &= word((1 << low) - 1)
     key |= fields
     key |= high
+    del fields, high
     key = key.view(np.int32 if word is np.uint32 else np.int64)  # (the top bit is clear)
     if full:
         key = key.reshape(rows, k)
@@ -232,13 +244,17 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
         padded.sort(axis=1)
         used = np.arange(k)[None, :] < counts[:, None]
         key, base = padded[used], row_base[row_of]
-    out_indices = np.bitwise_and(key, (1 << shift) - 1, dtype=np.int64)
-    out_codes = key >> shift
+    out_indices = np.bitwise_and(key, key.dtype.type((1 << shift) - 1))
+    out_indices = out_indices.astype(np.int64, copy=False)
+    out_codes = np.right_shift(key, shift, out=key)  # (the key is not needed any more)
     if codec == "exact":
         logprobs = _from_descending_key(out_codes.astype(np.uint32) + base.view(np.uint32))
     else:
         step = COMPACT_STEP if step is None else step
-        logprobs = np.multiply(out_codes, np.float32(-step), dtype=np.float32)
+        # (float32(code) * float32(-step) + base, each rounded to float32: the same values as
+        # one multiply with dtype=float32, without numpy's slower casting loop)
+        logprobs = out_codes.astype(np.float32)
+        logprobs *= np.float32(-step)
         logprobs += base
         if width & NEG_INF_FLAG:
             logprobs[out_codes == (1 << bits) - 1] = -math.inf
