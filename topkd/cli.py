@@ -400,10 +400,10 @@ def _add_distill(commands) -> None:
     p.add_argument("--alpha", type=_float_in("--alpha", 0.0, 1.0, low_open=False),
                    help="skew KL's mixture weight (with --divergence skew_kl or "
                    "skew_reverse_kl; default 0.1)")
-    p.add_argument("--kd-weight", type=_float_in("--kd-weight", 0.0, None, low_open=False),
-                   default=1.0, metavar="W", help="weight of the KD term (default 1)")
-    p.add_argument("--ce-weight", type=_float_in("--ce-weight", 0.0, None, low_open=False),
-                   default=0.0, metavar="W", help="weight of the next-token CE (default 0)")
+    for flag, default, what in (("--kd-weight", 1.0, "weight of the KD term (default 1)"),
+                                ("--ce-weight", 0.0, "weight of the next-token CE (default 0)")):
+        p.add_argument(flag, type=_float_in(flag, 0.0, None, low_open=False), default=default,
+                       metavar="W", help=what)
     p.add_argument("--max-steps", type=_int_at_least(1), metavar="N",
                    help="optimizer steps (default: --epochs passes over the data)")
     p.add_argument("--epochs", type=_float_in("--epochs", 0.0, None), metavar="E",
@@ -428,12 +428,12 @@ def _add_distill(commands) -> None:
                    help="the online teacher's weights (default bfloat16 with --bf16, else "
                    "float32; auto: the checkpoint's)")
     p.add_argument("--seed", type=int, default=42, help="seed of the data order (default 42)")
-    p.add_argument("--save-steps", type=_int_at_least(1), default=500, metavar="N",
-                   help="a checkpoint every N steps, and at the end (default 500)")
-    p.add_argument("--save-total-limit", type=_int_at_least(0), default=2, metavar="N",
-                   help="keep the newest N checkpoints (0: all; default 2)")
-    p.add_argument("--logging-steps", type=_int_at_least(1), default=10, metavar="N",
-                   help="log loss and kd every N steps, and at the end (default 10)")
+    for flag, least, default, what in (
+            ("--save-steps", 1, 500, "a checkpoint every N steps, and at the end (default 500)"),
+            ("--save-total-limit", 0, 2, "keep the newest N checkpoints (0: all; default 2)"),
+            ("--logging-steps", 1, 10,
+             "log loss and kd every N steps, and at the end (default 10)")):
+        p.add_argument(flag, type=_int_at_least(least), default=default, metavar="N", help=what)
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint")
     p.add_argument("--text-field", default="text", metavar="NAME",

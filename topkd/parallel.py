@@ -134,20 +134,29 @@ def sum_rows(values: list, group) -> list:
     return list(all_reduce_sum_(torch.stack(values, -1), group).unbind(-1))
 
 
-class AllReduceGradient(torch.autograd.Function):
+class GradientMap(torch.autograd.Function):
+    """Identity forward; in backward the gradient goes through ``ctx.map``, which a
+    subclass's ``forward(ctx, tensor, arg)`` sets (``arg`` gets no gradient)."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.map(grad), None
+
+
+def _all_reduced(grad, group):
+    grad = grad.contiguous()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+class AllReduceGradient(GradientMap):
     """Identity forward; SUM all-reduce of the gradient in backward (Megatron's
     ``copy_to_tensor_model_parallel_region``)."""
 
     @staticmethod
     def forward(ctx, tensor, group):
-        ctx.group = group
+        ctx.map = lambda grad: _all_reduced(grad, group)
         return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 # ---- a head sharded by vocabulary rows over a data-parallel mesh (FSDP2) --------------------

@@ -178,19 +178,15 @@ class _Mesh:
         return sizes
 
 
-class DivideGradient(torch.autograd.Function):
+class DivideGradient(parallel.GradientMap):
     """Identity forward; the gradient divided by ``divide`` in backward."""
 
     @staticmethod
     def forward(ctx, tensor, divide):
-        ctx.divide = divide
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
         # the engine's gradient of the head is a tensor of its own, used nowhere else (the
         # only consumer of this Function's output is the engine): divided in place
-        return grad.div_(ctx.divide), None
+        ctx.map = lambda grad: grad.div_(divide)
+        return tensor.view_as(tensor)
 
 
 def _divide(options, mesh: _Mesh) -> float:

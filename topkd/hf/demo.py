@@ -429,54 +429,58 @@ def _cross_entropy(model, sequences: torch.Tensor) -> float:
     return total / sequences[:, 1:].numel()
 
 
-@torch.no_grad()
 def _build_store(teacher, train: list[dict], path: str, progress: bool) -> int:
     """Write the teacher's top-K rows of every training sequence into a new store at
     ``path``; its size in bytes."""
     from .. import SparseTeacher, select_topk
-    from ..store import TeacherStoreWriter
 
-    device = _device()
-    shutil.rmtree(path, ignore_errors=True)
-    with TeacherStoreWriter(path, k=K, vocab_size=VOCAB_SIZE) as writer, \
-            _bar(len(train), f"store: the teacher's top-{K}", progress) as bar:
-        for first in range(0, len(train), EVAL_BATCH):
-            items = train[first:first + EVAL_BATCH]
-            tokens = torch.stack([item["input_ids"] for item in items])
-            rows = select_topk(teacher(input_ids=tokens.to(device)).logits, K, impl=_impl())
-            rows = SparseTeacher(rows.indices.cpu(), rows.logprobs.cpu(),
-                                 rows.rest_logprob.cpu(), rows.temperature, rows.vocab_size)
-            for i, item in enumerate(items):
-                writer.add(item["sample_id"], item["input_ids"], SparseTeacher(
-                    rows.indices[i], rows.logprobs[i], rows.rest_logprob[i],
-                    rows.temperature, rows.vocab_size))
-            bar.update(len(items))
-    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+    def rows(logits, items):
+        rows = select_topk(logits, K, impl=_impl())
+        rows = SparseTeacher(rows.indices.cpu(), rows.logprobs.cpu(),
+                             rows.rest_logprob.cpu(), rows.temperature, rows.vocab_size)
+        return [SparseTeacher(rows.indices[i], rows.logprobs[i], rows.rest_logprob[i],
+                              rows.temperature, rows.vocab_size) for i in range(len(items))]
+
+    return _write_store(teacher, train, path, progress, {"k": K},
+                        f"store: the teacher's top-{K}", rows)
 
 
-@torch.no_grad()
 def _build_sampled_store(teacher, train: list[dict], path: str, samples: int, seed: int,
                          progress: bool) -> int:
     """Write ``samples`` tokens drawn from the teacher per position of every training
     sequence (seeded by ``(seed, its sample id)``) into a new sampled store at ``path``; its
     size in bytes."""
     from .. import sample_teacher
-    from ..store import TeacherStoreWriter
     from ..store.rows import trimmed
+
+    def rows(logits, items):
+        drawn = sample_teacher(logits, samples, seed=seed,
+                               sample_ids=[item["sample_id"] for item in items])
+        drawn = drawn.to("cpu")
+        return [trimmed(drawn.map(lambda t, i=i: t[i])) for i in range(len(items))]
+
+    return _write_store(teacher, train, path, progress, {"samples": samples},
+                        f"store: {samples} tokens drawn per position", rows)
+
+
+@torch.no_grad()
+def _write_store(teacher, train: list[dict], path: str, progress: bool, width: dict, desc: str,
+                 rows) -> int:
+    """Write ``rows(logits, items)`` (one teacher per item) of the teacher's logits of every
+    batch of training sequences into a new store at ``path`` (``width``: its ``k`` or
+    ``samples``); its size in bytes."""
+    from ..store import TeacherStoreWriter
 
     device = _device()
     shutil.rmtree(path, ignore_errors=True)
-    with TeacherStoreWriter(path, samples=samples, vocab_size=VOCAB_SIZE) as writer, \
-            _bar(len(train), f"store: {samples} tokens drawn per position", progress) as bar:
+    with TeacherStoreWriter(path, vocab_size=VOCAB_SIZE, **width) as writer, \
+            _bar(len(train), desc, progress) as bar:
         for first in range(0, len(train), EVAL_BATCH):
             items = train[first:first + EVAL_BATCH]
-            batch = torch.stack([item["input_ids"] for item in items])
-            drawn = sample_teacher(teacher(input_ids=batch.to(device)).logits, samples,
-                                   seed=seed, sample_ids=[item["sample_id"] for item in items])
-            drawn = drawn.to("cpu")
-            for i, item in enumerate(items):
-                writer.add(item["sample_id"], item["input_ids"],
-                           trimmed(drawn.map(lambda t, i=i: t[i])))
+            tokens = torch.stack([item["input_ids"] for item in items])
+            teachers = rows(teacher(input_ids=tokens.to(device)).logits, items)
+            for item, row in zip(items, teachers, strict=True):
+                writer.add(item["sample_id"], item["input_ids"], row)
             bar.update(len(items))
     return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
 

@@ -70,7 +70,7 @@ def read_samples(path: str, *, text_field: str = "text", id_field: str = "id",
                 yield f"{path}:{number + 1}", number, line.rstrip("\r\n"), None
         return
     if kind == "jsonl":
-        rows = _jsonl_rows(path)
+        rows = jsonl_rows(path)
     else:
         rows = _parquet_rows(path, (text_field, id_field, ids_field))
     for number, where, row in rows:
@@ -104,7 +104,11 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _jsonl_rows(path: str):
+def jsonl_rows(path: str, invalid: str = "not valid JSON ({}); JSON Lines files hold one "
+               "object per line"):
+    """``(number, where, row)`` of every non-blank line of the JSON Lines file ``path``
+    (``number`` 0-based, ``where`` its ``path:line``); a line that is not JSON raises
+    ``ValueError("{where}: " + invalid)``, ``invalid`` formatted with the parser's error."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f):
             if not line.strip():
@@ -113,8 +117,7 @@ def _jsonl_rows(path: str):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e}); JSON Lines files hold one "
-                                 f"object per line") from None
+                raise ValueError(f"{where}: " + invalid.format(e)) from None
             yield number, where, row
 
 

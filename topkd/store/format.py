@@ -140,32 +140,32 @@ def tensor_bytes(t: torch.Tensor):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def crc_parts(tensors: dict, rows, entries, i: int) -> list:
-    """Sequence ``i``'s parts of a shard's :data:`CRC_TENSORS`, in the order its CRC-32 covers
-    them; ``rows`` / ``entries`` are the shard's ``seq_rows`` / ``seq_entries``."""
-    r0, r1, e0, e1 = int(rows[i]), int(rows[i + 1]), int(entries[i]), int(entries[i + 1])
-    parts = [tensors["indices"][e0:e1], tensors["logprobs"][e0:e1],
-             tensors["rest_logprob"][r0:r1]]
+def _sequence_parts(tensors: dict, rows, starts, i: int, by_start: tuple, by_row: tuple) -> list:
+    """Sequence ``i``'s slices of the tensors ``by_start`` (cut by ``starts``), of those
+    ``by_row`` (cut by ``rows``), and of ``counts`` where the shard has them."""
+    r0, r1, b0, b1 = int(rows[i]), int(rows[i + 1]), int(starts[i]), int(starts[i + 1])
+    parts = [tensors[name][b0:b1] for name in by_start] + [tensors[name][r0:r1]
+                                                            for name in by_row]
     if "counts" in tensors:
         parts.append(tensors["counts"][r0:r1])
     return parts
+
+
+def crc_parts(tensors: dict, rows, entries, i: int) -> list:
+    """Sequence ``i``'s parts of a shard's :data:`CRC_TENSORS`, in the order its CRC-32 covers
+    them; ``rows`` / ``entries`` are the shard's ``seq_rows`` / ``seq_entries``."""
+    return _sequence_parts(tensors, rows, entries, i, ("indices", "logprobs"), ("rest_logprob",))
 
 
 def crc_parts_v2(tensors: dict, rows, starts, i: int) -> list:
     """Sequence ``i``'s parts of a format-2 shard's :data:`CRC_TENSORS_V2`, in the order its
     CRC-32 covers them; ``rows`` / ``starts`` are the shard's ``seq_rows`` / ``seq_bytes``."""
-    r0, r1, b0, b1 = int(rows[i]), int(rows[i + 1]), int(starts[i]), int(starts[i + 1])
-    parts = [tensors["payload"][b0:b1], tensors["row_base"][r0:r1],
-             tensors["rest_logprob"][r0:r1]]
-    if "counts" in tensors:
-        parts.append(tensors["counts"][r0:r1])
-    return parts
+    return _sequence_parts(tensors, rows, starts, i, ("payload",), ("row_base", "rest_logprob"))
 
 
 def crc_parts_sampled(tensors: dict, rows, starts, i: int) -> list:
     """Sequence ``i``'s parts of a sampled shard's :data:`CRC_TENSORS_SAMPLED`."""
-    r0, r1, b0, b1 = int(rows[i]), int(rows[i + 1]), int(starts[i]), int(starts[i + 1])
-    return [tensors["payload"][b0:b1], tensors["counts"][r0:r1]]
+    return _sequence_parts(tensors, rows, starts, i, ("payload",), ())
 
 
 def crc(tensors) -> int:

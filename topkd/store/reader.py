@@ -9,6 +9,7 @@ import torch
 
 from ..teacher import SampledTeacher, SparseTeacher
 from . import format as fmt
+from .rows import agreed_settings
 from .shard import Shard, read_shard_ids, shard_ids  # noqa: F401  (read_shard_ids: re-exported)
 
 
@@ -18,6 +19,11 @@ class MissingSampleError(KeyError):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
+
+
+def _manifest_entry(key: str, doc: str | None = None) -> property:
+    """A read-only property: the store manifest's ``key``."""
+    return property(lambda self: self.manifest[key], doc=doc)
 
 class TeacherStore:
     """A teacher store opened read-only; sequences are read by sample id from memory maps.
@@ -58,29 +64,13 @@ class TeacherStore:
 
     # -- what is there -----------------------------------------------------------------------
 
-    @property
-    def vocab_size(self) -> int:
-        return self.manifest["vocab_size"]
-
-    @property
-    def k(self) -> int:
-        """Entries per row (top-K), or slots per row (sampled: ``samples``)."""
-        return self.manifest["k"]
-
-    @property
-    def kind(self) -> str:
-        """``"topk"`` (rows of :class:`~topkd.SparseTeacher`) or ``"sampled"``
-        (:class:`~topkd.SampledTeacher`)."""
-        return self.manifest["kind"]
-
-    @property
-    def samples(self) -> int | None:
-        """Tokens drawn per position of a sampled store (None for top-K rows)."""
-        return self.manifest["samples"]
-
-    @property
-    def temperature(self) -> float:
-        return self.manifest["temperature"]
+    vocab_size = _manifest_entry("vocab_size")
+    k = _manifest_entry("k", "Entries per row (top-K), or slots per row (sampled: ``samples``).")
+    kind = _manifest_entry("kind", """``"topk"`` (rows of :class:`~topkd.SparseTeacher`) or
+        ``"sampled"`` (:class:`~topkd.SampledTeacher`).""")
+    samples = _manifest_entry(
+        "samples", "Tokens drawn per position of a sampled store (None for top-K rows).")
+    temperature = _manifest_entry("temperature")
 
     @property
     def store_tokens(self) -> bool:
@@ -251,15 +241,8 @@ def collate_teachers(teachers, *, pad_to: int | None = None, k: int | None = Non
     """
     teachers = list(teachers)
     lengths = [t.indices.shape[0] for t in teachers]
-    for name, value in (("k", k), ("vocab_size", vocab_size), ("temperature", temperature)):
-        seen = {getattr(t, name) for t in teachers} | ({value} if value is not None else set())
-        if len(seen) > 1:
-            raise ValueError(f"the teachers to collate differ in {name}: {sorted(seen)}")
-    if not teachers and None in (k, vocab_size, temperature):
-        raise ValueError("collating no teachers needs k, vocab_size and temperature")
-    if teachers:
-        k, vocab_size, temperature = teachers[0].k, teachers[0].vocab_size, \
-            teachers[0].temperature
+    k, vocab_size, temperature = agreed_settings(teachers, k=k, vocab_size=vocab_size,
+                                                 temperature=temperature)
     longest = max(lengths, default=0)
     if pad_to is None:
         pad_to = longest

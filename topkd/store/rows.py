@@ -12,6 +12,21 @@ import torch
 from ..teacher import SampledTeacher, SparseTeacher
 
 
+def agreed_settings(teachers: list, **given) -> tuple:
+    """The settings ``given`` (name: value or None) that the ``teachers`` to collate share,
+    in order: the teachers' own where there are any, else the values given (all needed)."""
+    for name, value in given.items():
+        seen = {getattr(t, name) for t in teachers} | ({value} if value is not None else set())
+        if len(seen) > 1:
+            raise ValueError(f"the teachers to collate differ in {name}: {sorted(seen)}")
+    if not teachers and None in given.values():
+        *first, last = given
+        raise ValueError(f"collating no teachers needs {', '.join(first)} and {last}")
+    if teachers:
+        return tuple(getattr(teachers[0], name) for name in given)
+    return tuple(given.values())
+
+
 def collate_sampled(teachers, *, pad_to: int | None = None, samples: int | None = None,
                     vocab_size: int | None = None,
                     temperature: float | None = None) -> SampledTeacher:
@@ -20,16 +35,8 @@ def collate_sampled(teachers, *, pad_to: int | None = None, samples: int | None 
     batch's ``mask`` marks False. ``samples``, ``vocab_size`` and ``temperature`` describe an
     empty batch and must agree with the teachers given."""
     teachers = list(teachers)
-    for name, value in (("samples", samples), ("vocab_size", vocab_size),
-                        ("temperature", temperature)):
-        seen = {getattr(t, name) for t in teachers} | ({value} if value is not None else set())
-        if len(seen) > 1:
-            raise ValueError(f"the teachers to collate differ in {name}: {sorted(seen)}")
-    if not teachers and None in (samples, vocab_size, temperature):
-        raise ValueError("collating no teachers needs samples, vocab_size and temperature")
-    if teachers:
-        samples, vocab_size, temperature = (teachers[0].samples, teachers[0].vocab_size,
-                                            teachers[0].temperature)
+    samples, vocab_size, temperature = agreed_settings(
+        teachers, samples=samples, vocab_size=vocab_size, temperature=temperature)
     lengths = [t.indices.shape[0] for t in teachers]
     longest = max(lengths, default=0)
     if pad_to is None:

@@ -16,7 +16,6 @@ is optional (default: the 0-based line number).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -161,6 +160,7 @@ def import_jsonl(data, out, *, k: int, vocab_size: int, codec: str | None = None
     """Import a JSON Lines file of per-position top-k log-probs (the layout in this module's
     docstring) into the store at ``out`` (created, or resumed: ids already stored are skipped).
     Returns ``{"added", "skipped", "tokens", "path"}``."""
+    from .build import jsonl_rows
     from .writer import TeacherStoreWriter, writer_codec
 
     vocab_size = _checks.integer("vocab_size", vocab_size, 1, _checks.MAX_VOCAB)
@@ -173,14 +173,7 @@ def import_jsonl(data, out, *, k: int, vocab_size: int, codec: str | None = None
                             codec=codec, tokenizer_fingerprint=tokenizer_fingerprint,
                             metadata={"source": "imported top-k log-probs"},
                             shard_bytes=shard_bytes) as writer:
-        for line_number, line in enumerate(open(data, encoding="utf-8")):
-            if not line.strip():
-                continue
-            where = f"{data}:{line_number + 1}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from None
+        for line_number, where, item in jsonl_rows(data, "not JSON ({})"):
             missing = [f for f in (ids_field, "topk_ids", "topk_logprobs") if f not in item]
             if missing:
                 raise ValueError(f"{where}: missing {missing} (has {sorted(item)})")

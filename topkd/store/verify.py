@@ -82,21 +82,44 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
     return ids
 
 
+def _check_offsets(tensors, ids, rows, starts, tokens: int, end: int, bad, agree: bool) -> None:
+    """A shard's per-sequence offsets (``rows`` into its ``tokens`` token rows, ``starts``
+    into its ``end`` entries or bytes) start at 0, rise, and end there; its ``token_hash`` and
+    ``crc`` hold one entry per sequence; and the format's own checks ``agree``."""
+    if not (len(rows) == len(starts) == len(ids) + 1 and rows[0] == starts[0] == 0
+            and rows == sorted(rows) and starts == sorted(starts) and rows[-1] == tokens
+            and starts[-1] == end and tuple(tensors["token_hash"].shape) == (len(ids), 16)
+            and tensors["crc"].shape[0] == len(ids) and agree):
+        raise bad("sequence offsets, counts and array lengths disagree")
+
+
+def _sequences(tensors, ids, rows, starts, crc_parts, bad):
+    """``(i, sample_id, payload, r0, r1)`` of every sequence of an encoded shard (its bytes
+    of ``payload``, its rows ``r0:r1``), once its CRC-32 (over ``crc_parts``) holds."""
+    for i, sample_id in enumerate(ids):
+        if fmt.crc(crc_parts(tensors, rows, starts, i)) != int(tensors["crc"][i]):
+            raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
+        yield (i, sample_id, tensors["payload"][starts[i]:starts[i + 1]].numpy(), rows[i],
+               rows[i + 1])
+
+
+def _decoded(sample_id, bad, decode, *args):
+    """``decode(*args)``, its ValueError raised as ``bad`` naming ``sample_id``."""
+    try:
+        return decode(*args)
+    except ValueError as e:
+        raise bad(f"sample_id {sample_id!r}: {e}") from None
+
+
 def _check_rows_v1(tensors, ids, manifest, bad) -> None:
     rows, entries = tensors["seq_rows"].tolist(), tensors["seq_entries"].tolist()
     k = manifest["k"]
     counts = tensors.get("counts")
     tokens = tensors["rest_logprob"].shape[0]
     expected_entries = tokens * k if counts is None else int(counts.sum())
-    consistent = (
-        len(rows) == len(entries) == len(ids) + 1 and rows[0] == entries[0] == 0
-        and rows == sorted(rows) and entries == sorted(entries) and rows[-1] == tokens
-        and entries[-1] == tensors["indices"].shape[0] == tensors["logprobs"].shape[0]
-        == expected_entries and tuple(tensors["token_hash"].shape) == (len(ids), 16)
-        and tensors["crc"].shape[0] == len(ids)
-    )
-    if not consistent:
-        raise bad("sequence offsets, counts and array lengths disagree")
+    _check_offsets(tensors, ids, rows, entries, tokens, tensors["indices"].shape[0], bad,
+                   tensors["indices"].shape[0] == tensors["logprobs"].shape[0]
+                   == expected_entries)
     if str(tensors["logprobs"].dtype) != f"torch.{manifest['logprob_dtype']}":
         raise bad(f"logprobs are {tensors['logprobs'].dtype}, the manifest says "
                   f"{manifest['logprob_dtype']}")
@@ -111,27 +134,14 @@ def _check_rows_sampled(tensors, ids, manifest, bad) -> None:
     rows, starts = tensors["seq_rows"].tolist(), tensors["seq_bytes"].tolist()
     samples, vocab = manifest["samples"], manifest["vocab_size"]
     lengths = tensors["counts"]
-    consistent = (
-        len(rows) == len(starts) == len(ids) + 1 and rows[0] == starts[0] == 0
-        and rows == sorted(rows) and starts == sorted(starts)
-        and rows[-1] == lengths.shape[0] and starts[-1] == tensors["payload"].shape[0]
-        and lengths.dtype == torch.uint8
-        and tuple(tensors["seq_width"].shape) == (len(ids),)
-        and tuple(tensors["token_hash"].shape) == (len(ids), 16)
-        and tensors["crc"].shape[0] == len(ids)
-    )
-    if not consistent:
-        raise bad("sequence offsets, counts and array lengths disagree")
-    for i, sample_id in enumerate(ids):
-        if fmt.crc(fmt.crc_parts_sampled(tensors, rows, starts, i)) != int(tensors["crc"][i]):
-            raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
-        r0, r1 = rows[i], rows[i + 1]
-        try:
-            indices, counts = codec.decode_counts(
-                tensors["payload"][starts[i]:starts[i + 1]].numpy(),
-                int(tensors["seq_width"][i]), lengths[r0:r1].numpy(), vocab, samples)
-        except ValueError as e:
-            raise bad(f"sample_id {sample_id!r}: {e}") from None
+    _check_offsets(tensors, ids, rows, starts, lengths.shape[0], tensors["payload"].shape[0],
+                   bad, lengths.dtype == torch.uint8
+                   and tuple(tensors["seq_width"].shape) == (len(ids),))
+    for i, sample_id, payload, r0, r1 in _sequences(tensors, ids, rows, starts,
+                                                    fmt.crc_parts_sampled, bad):
+        indices, counts = _decoded(sample_id, bad, codec.decode_counts, payload,
+                                   int(tensors["seq_width"][i]), lengths[r0:r1].numpy(), vocab,
+                                   samples)
         if (indices >= vocab).any() or (counts.sum(-1) != samples).any():
             raise bad(f"sample_id {sample_id!r}: ids outside the vocabulary or counts that do "
                       f"not sum to samples={samples}")
@@ -145,35 +155,22 @@ def _check_rows_v2(tensors, ids, manifest, bad) -> None:
     counts = tensors.get("counts")
     length = tensors["rest_logprob"].shape[0]
     base_dtype = "torch.float32" if manifest["codec"] == "compact" else "torch.int32"
-    consistent = (
-        len(rows) == len(starts) == len(ids) + 1 and rows[0] == starts[0] == 0
-        and rows == sorted(rows) and starts == sorted(starts) and rows[-1] == length
-        and starts[-1] == tensors["payload"].shape[0]
-        and tuple(tensors["row_base"].shape) == (length,)
-        and (counts is None or tuple(counts.shape) == (length,))
-        and tuple(tensors["seq_width"].shape) == (len(ids),)
-        and tuple(tensors["token_hash"].shape) == (len(ids), 16)
-        and tensors["crc"].shape[0] == len(ids)
-    )
-    if not consistent:
-        raise bad("sequence offsets, counts and array lengths disagree")
+    _check_offsets(tensors, ids, rows, starts, length, tensors["payload"].shape[0], bad,
+                   tuple(tensors["row_base"].shape) == (length,)
+                   and (counts is None or tuple(counts.shape) == (length,))
+                   and tuple(tensors["seq_width"].shape) == (len(ids),))
     if str(tensors["row_base"].dtype) != base_dtype:
         raise bad(f"row_base is {tensors['row_base'].dtype}, codec {manifest['codec']!r} "
                   f"has {base_dtype}")
     if counts is not None and bool(((counts < 0) | (counts > k)).any()):
         raise bad(f"counts outside 0..{k}")
-    for i, sample_id in enumerate(ids):
-        if fmt.crc(fmt.crc_parts_v2(tensors, rows, starts, i)) != int(tensors["crc"][i]):
-            raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
-        r0, r1 = rows[i], rows[i + 1]
-        try:
-            indices, logprobs = codec.decode(
-                manifest["codec"], tensors["payload"][starts[i]:starts[i + 1]].numpy(),
-                tensors["row_base"][r0:r1].numpy(), int(tensors["seq_width"][i]),
-                None if counts is None else counts[r0:r1].numpy(), vocab, k,
-                manifest.get("logprob_step"))
-        except ValueError as e:
-            raise bad(f"sample_id {sample_id!r}: {e}") from None
+    for i, sample_id, payload, r0, r1 in _sequences(tensors, ids, rows, starts,
+                                                    fmt.crc_parts_v2, bad):
+        indices, logprobs = _decoded(
+            sample_id, bad, codec.decode, manifest["codec"], payload,
+            tensors["row_base"][r0:r1].numpy(), int(tensors["seq_width"][i]),
+            None if counts is None else counts[r0:r1].numpy(), vocab, k,
+            manifest.get("logprob_step"))
         used = indices >= 0
         if bool((indices >= vocab).any()) or np.isnan(logprobs).any() or (
                 used[:, 1:] & (indices[:, 1:] == indices[:, :-1])).any():

@@ -266,6 +266,18 @@ class TeacherStoreWriter:
         if self._pending_bytes >= self.shard_bytes:
             self.flush()
 
+    def _check_settings(self, sample_id, teacher, width: str) -> None:
+        """A sequence's teacher has no padding rows and the store's vocab_size, ``width``
+        (``k`` or ``samples``) and temperature."""
+        if teacher.mask is not None and not bool(teacher.mask.all()):
+            raise ValueError(f"sample {sample_id!r}: the teacher has padding rows (its mask); "
+                             f"add each sequence's own rows")
+        for key in ("vocab_size", width, "temperature"):
+            have, want = getattr(teacher, key), self.settings[key]
+            if have != want:
+                raise ValueError(f"sample {sample_id!r}: the teacher has {key}={have} but the "
+                                 f"store {self.path} has {key}={want}")
+
     def _rows(self, sample_id, teacher, length: int) -> dict:
         """Validate one sequence's teacher and pack its rows (the parts its CRC-32 covers)."""
         if self.settings["kind"] == "sampled":
@@ -273,15 +285,8 @@ class TeacherStoreWriter:
         if not isinstance(teacher, SparseTeacher):
             raise TypeError(f"teacher must be a topkd.SparseTeacher, got "
                             f"{type(teacher).__name__}")
-        if teacher.mask is not None and not bool(teacher.mask.all()):
-            raise ValueError(f"sample {sample_id!r}: the teacher has padding rows (its mask); "
-                             f"add each sequence's own rows")
+        self._check_settings(sample_id, teacher, "k")
         s = self.settings
-        for key, have in (("vocab_size", teacher.vocab_size), ("k", teacher.k),
-                          ("temperature", teacher.temperature)):
-            if have != s[key]:
-                raise ValueError(f"sample {sample_id!r}: the teacher has {key}={have} but the "
-                                 f"store {self.path} has {key}={s[key]}")
         if tuple(teacher.indices.shape) != (length, s["k"]):
             raise ValueError(f"sample {sample_id!r}: teacher.indices must be [{length}, "
                              f"{s['k']}] (one row per token), got {tuple(teacher.indices.shape)}")
@@ -331,15 +336,8 @@ class TeacherStoreWriter:
             raise TypeError(f"the store {self.path} holds sampled rows: teacher must be a "
                             f"topkd.SampledTeacher (topkd.sample_teacher), got "
                             f"{type(teacher).__name__}")
-        if teacher.mask is not None and not bool(teacher.mask.all()):
-            raise ValueError(f"sample {sample_id!r}: the teacher has padding rows (its mask); "
-                             f"add each sequence's own rows")
+        self._check_settings(sample_id, teacher, "samples")
         s = self.settings
-        for key, have in (("vocab_size", teacher.vocab_size), ("samples", teacher.samples),
-                          ("temperature", teacher.temperature)):
-            if have != s[key]:
-                raise ValueError(f"sample {sample_id!r}: the teacher has {key}={have} but the "
-                                 f"store {self.path} has {key}={s[key]}")
         shape = tuple(teacher.indices.shape)
         if len(shape) != 2 or shape[0] != length or shape[1] > s["samples"] or \
                 tuple(teacher.counts.shape) != shape:
