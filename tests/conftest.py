@@ -51,17 +51,3 @@ def _seed():
     torch.manual_seed(0)
     yield
 
-
-# The longest tests first. Under --dist loadgroup, pytest-xdist hands out the marked modules
-# first (the most tests first), then the other tests one by one in collection order, so a long
-# test collected last would run alone at the end while the other worker idles. The spawned
-# gloo groups (parallel/) are the longest single tests.
-_FIRST = ("parallel/",)
-
-
-def pytest_collection_modifyitems(items):
-    def first(item):
-        path = item.nodeid.replace(os.sep, "/")
-        return not any(f"tests/{prefix}" in path for prefix in _FIRST)
-
-    items.sort(key=first)  # stable: the order within each part is kept

@@ -75,10 +75,6 @@ import topkd
 import topkd.backends
 import topkd.backends.compiled
 
-# One pytest-xdist worker runs this module (pytest --dist loadgroup): its compiled kernels
-# are built once per process, not once per worker.
-pytestmark = pytest.mark.xdist_group("compiled")
-
 V, K, H, H_T = 96, 7, 16, 12
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 NEG_INF = float("-inf")

@@ -21,10 +21,6 @@ from helpers import ROOT  # noqa: E402
 from topkd.cli import main  # noqa: E402
 from topkd.hf import demo  # noqa: E402
 
-# One pytest-xdist worker runs this module (pytest --dist loadgroup): its module-scoped
-# fixture is built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("demo")
-
 STEPS = 100  # per student (the default demo: 400)
 TEACHER_STEPS = 150  # (the default demo: 240; 60 at 100 student steps is too few to teach)
 

@@ -25,10 +25,6 @@ from topkd.cli import main  # noqa: E402
 from topkd.hf.distill import SETTINGS_FILE, last_checkpoint  # noqa: E402
 from topkd.store import build_store  # noqa: E402
 
-# One pytest-xdist worker runs this module (pytest --dist loadgroup): its module-scoped
-# fixture is built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("distill")
-
 WORDS = [f"w{i}" for i in range(60)]
 ROOT = helpers.ROOT
 VOCAB = 64  # the models' rows; the tokenizer has 62 tokens

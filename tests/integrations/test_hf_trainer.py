@@ -28,10 +28,6 @@ import topkd  # noqa: E402
 import topkd.hf.trainer as trainer_module  # noqa: E402
 from topkd.hf import KDCollator, KDTrainer  # noqa: E402
 
-# One pytest-xdist worker runs this module (pytest --dist loadgroup): its module-scoped
-# fixture is built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("hf_trainer")
-
 PARAM_ATOL = 1e-5  # parameters after one step (the brief's bound)
 F32_GRAD_TOL = 1e-5  # fused vs unfused gradient, max err / max|g| (measured below 1e-6)
 BF16_GRAD_TOL = 4e-2  # the same with bf16 products (a few bf16 ulps of max|g|)

@@ -2,8 +2,9 @@
 losses, the fused LM-head losses and the compiled kernels between the collectives.
 
 The work happens in tp_worker.py (and fused_tp_worker.py) inside spawned ranks; one spawn runs
-many layouts and cases, because starting processes is slow, but the two-rank checks are three
-spawns (logits, fused, compiled) so that pytest-xdist's workers can share them. Every wait
+many layouts and cases, because starting processes is slow, but the two-rank checks are two
+spawns (logits, fused), and the compiled kernels' one is test_parallel_compiled.py, so that
+pytest-xdist's workers (one file each) can share them. Every wait
 has a timeout so that a bug fails the test instead of hanging it.
 """
 
@@ -43,12 +44,6 @@ def test_two_ranks_fused(tmp_path):
             (40, [20, 20], 37),  # padded vocabulary: the last 3 weight rows are outside
         ],
     }, tmp_path)
-
-
-def test_two_ranks_compiled(tmp_path):
-    """The compiled kernels between the collectives (every rank compiles its own; a few cases,
-    see tp_worker.COMPILED_CASES) on a padded layout."""
-    _spawn(2, {"compiled": [(37, [20, 17], 34)]}, tmp_path)
 
 
 def test_three_ranks(tmp_path):

@@ -28,10 +28,6 @@ from topkd.store import (  # noqa: E402
 )
 from topkd.store.reader import read_shard_ids  # noqa: E402
 
-# One pytest-xdist worker runs this module (pytest --dist loadgroup): its module-scoped
-# fixture is built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("store_cli")
-
 ROOT = helpers.ROOT
 VOCAB = 300  # the model's vocabulary; the tokenizer has fewer tokens (as Qwen's, padded)
 WORDS = [f"w{i}" for i in range(200)]
