@@ -34,8 +34,6 @@ the engine's.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import parallel
@@ -44,8 +42,7 @@ from .teacher import SampledTeacher, SparseTeacher
 DESIGNS = ("vocab_parallel", "gather")
 
 
-@functools.lru_cache(maxsize=1)
-def _dtensor_types():
+def _find_dtensor_types():
     """``(DTensor, Shard)``, or ``None`` where this torch has no DTensor."""
     try:
         from torch.distributed.tensor import DTensor, Shard
@@ -55,6 +52,15 @@ def _dtensor_types():
         except ImportError:
             return None
     return DTensor, Shard
+
+
+_DTENSOR_TYPES = []  # found once, on first use (a plain global: torch.compile traces through it)
+
+
+def _dtensor_types():
+    if not _DTENSOR_TYPES:
+        _DTENSOR_TYPES.append(_find_dtensor_types())
+    return _DTENSOR_TYPES[0]
 
 
 def is_dtensor(x) -> bool:
