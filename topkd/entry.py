@@ -275,7 +275,6 @@ def check_inputs(student: tuple, teacher, options: KDOptions, mask, labels) -> N
         _checks.integer("k", options.k, 1, vocab)
 
 
-
 def _student_head(student: tuple, options: KDOptions, mask):
     """A student LM head's tensors by name, checked, and the names its messages use."""
     if len(student) not in (2, 3):
@@ -450,9 +449,7 @@ def _run(call: Call, tensors: dict, options: KDOptions, *, mask, lead_shape, lab
     keep_ce = has_label if keep is None else (None if has_label is None else keep & has_label)
     if one_pass:
         if owner is None:
-            weights = (_row_weights(keep, n, reduction, device),
-                       torch.zeros(n, device=device) if labels is None else
-                       _row_weights(keep_ce, n, reduction, device))
+            weights = tuple(row_weights(keep, labels, options, n, device).unbind(-1))
         else:
             weights = tuple(owner.weights.unbind(-1))
             call = dataclasses.replace(call, own=(owner.start, owner.count))
