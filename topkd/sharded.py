@@ -161,7 +161,7 @@ def shard_sizes(total: int, world: int) -> list[int]:
     return [max(0, min(step, total - r * step)) for r in range(world)]
 
 
-class _Mesh:
+class Mesh:
     """A 1-D mesh's group, this rank's place in it and the student head's rows per rank."""
 
     def __init__(self, weight):
@@ -195,7 +195,7 @@ class DivideGradient(parallel.GradientMap):
         return tensor.view_as(tensor)
 
 
-def _divide(options, mesh: _Mesh) -> float:
+def _divide(options, mesh: Mesh) -> float:
     factor = options.gradient_divide_factor
     return float(mesh.world) if factor is None else factor
 
@@ -204,7 +204,7 @@ def _whole_teacher(teacher):
     """A teacher head with any DTensor part gathered whole (no gradient); else unchanged."""
     if not isinstance(teacher, tuple) or not is_dtensor(teacher[1]):
         return teacher
-    t_mesh = _Mesh(teacher[1])
+    t_mesh = Mesh(teacher[1])
     parts = [teacher[0]]
     for part in teacher[1:]:
         parts.append(None if part is None else
@@ -221,7 +221,7 @@ def sharded_loss(run, student, teacher, options, mask, labels):
     hidden, weight, bias = (*student, None)[:3]
     if not is_dtensor(weight):  # a plain student with a sharded teacher head: gather that
         return run(student, _whole_teacher(teacher), options, mask=mask, labels=labels)
-    mesh = _Mesh(weight)
+    mesh = Mesh(weight)
     divide = _divide(options, mesh)
     plain = options.replace(sharded_head="vocab_parallel", gradient_divide_factor=None)
     if options.sharded_head == "gather":
@@ -285,7 +285,7 @@ def _teacher_width(teacher) -> int:
     return teacher[0].shape[-1]
 
 
-def _teacher_rows(teacher, mesh: _Mesh, group, rows: int, n: int):
+def _teacher_rows(teacher, mesh: Mesh, group, rows: int, n: int):
     """The teacher for every rank's rows and this rank's vocabulary rows."""
     if isinstance(teacher, SparseTeacher):
         k = teacher.k

@@ -225,13 +225,12 @@ def _own_rows(weight, bias, logits):
 
     if not sharded.is_dtensor(weight):
         return weight, bias, logits, None
-    mesh = weight.device_mesh
-    rank, world = mesh.get_local_rank(), mesh.size()
-    start = sum(sharded.shard_sizes(weight.shape[0], world)[:rank])
+    mesh = sharded.Mesh(weight)
+    start = sum(mesh.sizes[:mesh.rank])
     local = weight.to_local()
     if bias is not None:
         bias = bias.to_local() if sharded.is_dtensor(bias) else bias[start:start + len(local)]
-    return local, bias, logits[:, start:start + local.shape[0]], mesh.get_group()
+    return local, bias, logits[:, start:start + local.shape[0]], mesh.group
 
 
 class _Anchor(torch.autograd.Function):
