@@ -4,6 +4,8 @@
   sequences ``s0, s1, ...`` slowly, to be killed with SIGKILL by the test while a shard is
   pending (CODEC: ``plain``, the default, or ``exact``).
 - :func:`gloo_writer`: one rank of a gloo group writing its share of the ids to one store.
+- ``python tests/store_worker.py builds DIR ARGV_JSON``: one rank of ``topkd store build`` runs
+  under torchrun's environment (see :func:`cli_builds`).
 
 Both make every sequence from its number alone (:func:`sequence`), so the parent process can
 recompute what must be stored.
@@ -68,8 +70,43 @@ def gloo_writer(rank, world, count, store_dir, result_dir):
     run_rank(rank, world, result_dir, body)
 
 
+def cli_builds(directory: str, argvs: list) -> None:
+    """``topkd store build`` once per argument list of ``argvs``, in one process (starting a
+    rank is the slow part), printing one JSON line of ``{"code", "out", "err"}`` per build.
+    The first starts its own gloo group from torchrun's environment (``WORLD_SIZE``, ...) and
+    ends it; the others run in a gloo group started here (through a file in ``directory``,
+    every wait with a 60 s timeout), as a user's script would."""
+    import contextlib
+    import io
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from topkd.cli import main
+
+    torch.set_num_threads(1)
+    for number, argv in enumerate(argvs):
+        if number == 1:
+            dist.init_process_group(
+                "gloo", init_method=f"file://{os.path.join(directory, 'rendezvous')}",
+                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timedelta(seconds=60))
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue()}),
+              flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "crash":
         crash_writer(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
+    elif sys.argv[1] == "builds":
+        import json
+
+        cli_builds(sys.argv[2], json.loads(sys.argv[3]))
     else:
         raise SystemExit(f"unknown command {sys.argv[1]!r}")

@@ -31,7 +31,10 @@ data formats (by file name):
   .txt                  one text sample per line (empty lines too); id: the 0-based line number
 
 A rerun with the same --out resumes: samples already stored are skipped. Under torchrun
-(WORLD_SIZE > 1) rank r takes samples i with i % WORLD_SIZE == r and writes its own shards.
+(WORLD_SIZE > 1) rank r takes samples i with i % WORLD_SIZE == r and writes its own shards;
+with --shard-teacher the ranks also shard the teacher between them (FSDP2) and run their
+forwards in step:
+  torchrun --nproc-per-node 8 -m topkd.cli store build --shard-teacher --teacher DIR ...
 """
 
 
@@ -100,6 +103,10 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                        help="sample id field of JSON Lines / Parquet samples (default id)")
     build.add_argument("--device", help="where the teacher runs (default: cuda if available, "
                        "else cpu; cuda:LOCAL_RANK under torchrun)")
+    build.add_argument("--shard-teacher", action="store_true",
+                       help="under torchrun, shard the teacher over the ranks with FSDP2 "
+                       "(each decoder layer gathered for its forward): a teacher larger "
+                       "than one device; the rows stored are the same (one rank: unsharded)")
     build.add_argument("--shard-mib", type=_float_in("--shard-mib", 0.0, None), default=256.0,
                        metavar="MIB", help="write a shard every MIB MiB of rows (default 256)")
     build.add_argument("--no-tokens", action="store_true",
@@ -231,15 +238,17 @@ def _build(parser, args) -> int:
             logprob_dtype=args.logprob_dtype,
             text_field=args.text_field,
             id_field=args.id_field, ids_field=args.ids_field, dtype=args.dtype,
-            device=args.device, shard_bytes=max(1, int(args.shard_mib * 2**20)),
+            device=args.device, shard_teacher=args.shard_teacher,
+            shard_bytes=max(1, int(args.shard_mib * 2**20)),
             store_tokens=not args.no_tokens, progress=not args.no_progress)
     except (ValueError, TypeError, KeyError, OSError, RuntimeError, ImportError) as e:
         return _fail(prog, e)
     who = "" if summary["world_size"] == 1 else f"rank {summary['rank']}: "
     seconds = summary["seconds"]
+    sharded = f", teacher sharded over {summary['world_size']} ranks" if summary["sharded"] else ""
     print(f"{who}added {summary['added']} sequences ({summary['tokens']} tokens, "
           f"{summary['tokens'] / max(seconds, 1e-9):.0f} tokens/s), skipped "
-          f"{summary['skipped']} already stored, {seconds:.1f} s -> {summary['path']}")
+          f"{summary['skipped']} already stored, {seconds:.1f} s{sharded} -> {summary['path']}")
     return 0
 
 

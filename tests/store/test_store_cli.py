@@ -386,6 +386,16 @@ def test_cli_errors(teacher, tmp_path, capsys):
     assert code == 1 and "is not a topkd teacher store" in stdout
 
 
+def _shard(path):
+    """A shard's header metadata and each array's bytes (the header's key order varies from
+    one writing process to another, so the files' bytes may differ)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.metadata(), {name: handle.get_tensor(name).view(torch.uint8).tolist()
+                                   for name in handle.keys()}
+
+
 def test_entry_point_subprocess(teacher, tmp_path):
     """``python -m topkd store verify`` as a real process: 0 on a whole store, 1 and the
     damaged shard named when one byte changes."""
@@ -415,34 +425,75 @@ def test_entry_point_subprocess(teacher, tmp_path):
 
 
 def test_torchrun_two_ranks(teacher, tmp_path):
-    """WORLD_SIZE=2 as torchrun sets it: each rank starts a gloo group, takes samples
-    i % 2 == rank and writes its own shards; together they hold every sample once."""
+    """WORLD_SIZE=2 as torchrun sets it, four builds in one pair of ranks:
+
+    1. each rank starts a gloo group, takes samples i % 2 == rank and writes its own shards;
+       together they hold every sample once;
+    2. ``--shard-teacher`` (FSDP2 over the two ranks, in a group the script started): the
+       same shards, byte for byte; rank 0 has two batches, rank 1 one (and an empty sequence
+       in a batch), so rank 1 runs a dummy forward;
+    3. resumed with two more samples: rank 1's one batch holds only an empty sequence, so both
+       ranks' batches differ in kind (a forward, a dummy one);
+    4. a bad token id in rank 1's second batch: both ranks stop at that step, rank 1 naming
+       the sample, rank 0 naming rank 1 (no hang)."""
     path, model, tokenizer = teacher
     rng = torch.Generator().manual_seed(5)
-    texts = [_text(rng, n) for n in (4, 6, 0, 3, 8)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"id": f"s{i}", "text": t}) + "\n"
-                            for i, t in enumerate(texts)))
-    out = tmp_path / "store"
+    texts = [_text(rng, n) for n in (4, 6, 0, 3, 8, 0, 5)]
+
+    def jsonl(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return tmp_path / name
+
+    first = jsonl("data.jsonl", [{"id": f"s{i}", "text": t} for i, t in enumerate(texts[:5])])
+    more = jsonl("more.jsonl", [{"id": f"s{i}", "text": t} for i, t in enumerate(texts)])
+    bad = jsonl("bad.jsonl", [{"id": f"b{i}", "input_ids": [2, 3, 4][:i] + [999] * (i == 5)}
+                              for i in range(6)])
+    out, sharded = tmp_path / "store", tmp_path / "sharded"
+    options = ("--device", "cpu", "--logprob-dtype", "float32", "--batch-size", "2")
+    argvs = [_build(path, first, out, *options),
+             _build(path, first, sharded, *options, "--shard-teacher"),
+             _build(path, more, sharded, *options, "--shard-teacher"),
+             _build(path, bad, tmp_path / "bad", *options, "--shard-teacher")]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(helpers.free_port()),
            "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "topkd", *_build(path, data, out, "--device", "cpu",
-                                                      "--logprob-dtype", "float32")]
+    command = [sys.executable, os.path.join(ROOT, "tests", "store_worker.py"), "builds",
+               str(tmp_path), json.dumps(argvs)]
     ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=tmp_path) for r in range(2)]
-    results = [p.communicate(timeout=180) for p in ranks]
+    try:
+        results = [p.communicate(timeout=180) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
     for p, (_, stderr) in zip(ranks, results, strict=True):
         assert p.returncode == 0, stderr
-    assert "rank 0: added 3 sequences" in results[0][0]
-    assert "rank 1: added 2 sequences" in results[1][0]
+    builds = [[json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+              for stdout, _ in results]
+    assert [len(b) for b in builds] == [4, 4], results
+    for rank, rank_builds in enumerate(builds):
+        for number, build in enumerate(rank_builds[:3]):
+            assert build["code"] == 0, (rank, number, build["err"])
+            assert ("teacher sharded over 2 ranks" in build["out"]) == (number > 0)
+    (zero, one) = builds
+    assert "rank 0: added 3 sequences" in zero[0]["out"]
+    assert "rank 1: added 2 sequences" in one[0]["out"]
     shards = sorted(n for n in os.listdir(out) if n.startswith("shard-"))
     assert shards == ["shard-rank00000-000000.safetensors", "shard-rank00001-000000.safetensors"]
     assert read_shard_ids(str(out), shards[0]) == ["s0", "s2", "s4"]
     assert read_shard_ids(str(out), shards[1]) == ["s1", "s3"]
     samples = {f"s{i}": tokenizer(t)["input_ids"] for i, t in enumerate(texts)}
-    _check_against_online(out, model, samples)
+    _check_against_online(out, model, dict(list(samples.items())[:5]))
+    # the sharded teacher's rows: the unsharded build's, bit for bit
+    for name in shards:
+        assert _shard(sharded / name) == _shard(out / name), name
+    assert "rank 0: added 1 sequences" in zero[2]["out"] and "skipped 3" in zero[2]["out"]
+    assert "rank 1: added 1 sequences" in one[2]["out"] and "skipped 2" in one[2]["out"]
+    _check_against_online(sharded, model, samples)
+    assert zero[3]["code"] == one[3]["code"] == 1
+    assert "sample 'b5' has token id 999" in one[3]["err"], one[3]["err"]
+    assert "rank 1 of the sharded teacher's build failed" in zero[3]["err"], zero[3]["err"]
 
 
 def test_resume_refuses_another_checkpoint_of_the_same_name(teacher, tmp_path, capsys):
@@ -478,6 +529,20 @@ def test_build_checks_settings_before_loading_the_teacher(tmp_path):
         with pytest.raises(ValueError, match=name):
             topkd.store.build_store(tmp_path / "missing", data, tmp_path / "out", k=4,
                                     **options)
+    with pytest.raises(TypeError, match="shard_teacher must be a bool"):
+        topkd.store.build_store(tmp_path / "missing", data, tmp_path / "out", k=4,
+                                shard_teacher="yes")
+
+
+def test_sharded_teacher_layers(teacher):
+    """``--shard-teacher`` wraps the model's decoder layers (``_no_split_modules``) one by one;
+    a model naming none is refused."""
+    from topkd.store.sharded_teacher import decoder_layers
+
+    _, model, _ = teacher
+    assert decoder_layers(model) == list(model.model.layers)
+    with pytest.raises(ValueError, match="names no decoder layer class"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 def test_no_tokens(teacher, tmp_path, capsys):

@@ -291,8 +291,9 @@ def build_store(teacher_dir, data, out, *, k: int | None = None, samples: int | 
                 max_length: int | None = None, padding_free: bool = False,
                 codec: str | None = None, logprob_dtype: str | None = None,
                 text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
-                dtype="auto", device=None, shard_bytes: int = 256 * 2**20,
-                store_tokens: bool = True, progress: bool = True) -> dict:
+                dtype="auto", device=None, shard_teacher: bool = False,
+                shard_bytes: int = 256 * 2**20, store_tokens: bool = True,
+                progress: bool = True) -> dict:
     """Run a Hugging Face causal LM over a data file and store its top-K rows at ``out``.
 
     Args:
@@ -319,6 +320,12 @@ def build_store(teacher_dir, data, out, *, k: int | None = None, samples: int | 
             ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``. The logits stay in the model's
             dtype; the selection reads them chunk by chunk.
         device: where the teacher runs (default: CUDA if available, else CPU).
+        shard_teacher: under ``torch.distributed`` with 2+ ranks, shard the teacher over the
+            ranks with FSDP2 for inference (``fully_shard`` on its decoder layers and root,
+            each layer gathered for its forward), each rank still its own samples: a teacher
+            larger than one device. Every rank loads the checkpoint on the CPU first. The
+            stored rows are those of the unsharded build (the gathered weights are the
+            checkpoint's bits). With one rank the teacher runs unsharded.
         shard_bytes: a shard is written once its rows reach this many bytes.
         store_tokens: keep the token ids in the store (int32, 4 B per token), so training
             needs only the store (``TeacherDataset(store)``).
@@ -326,10 +333,14 @@ def build_store(teacher_dir, data, out, *, k: int | None = None, samples: int | 
 
     Under ``torch.distributed`` (initialized, or ``WORLD_SIZE > 1`` as set by ``torchrun``, in
     which case the process group is started here: NCCL on CUDA, else gloo) rank ``r`` of ``W``
-    takes samples ``i`` with ``i % W == r`` and writes its own shards.
+    takes samples ``i`` with ``i % W == r`` and writes its own shards. With ``shard_teacher``
+    the ranks run their forwards in step (a rank out of batches runs dummy forwards, whose
+    rows are not written, until every rank is done); an error preparing or writing one rank's
+    batch stops every rank at the next forward; a wait is bounded by the process group's
+    timeout.
 
     Returns a summary: ``added`` / ``skipped`` (already stored) sequences, ``tokens`` added,
-    ``seconds``, ``rank``, ``world_size``, ``path``.
+    ``seconds``, ``rank``, ``world_size``, ``path``, ``sharded`` (whether the teacher was).
     """
     start = time.perf_counter()
     if (k is None) == (samples is None):
@@ -356,6 +367,8 @@ def build_store(teacher_dir, data, out, *, k: int | None = None, samples: int | 
         raise TypeError(f"store_tokens must be a bool, got {store_tokens!r}")
     if not isinstance(padding_free, bool):
         raise TypeError(f"padding_free must be a bool, got {padding_free!r}")
+    if not isinstance(shard_teacher, bool):
+        raise TypeError(f"shard_teacher must be a bool, got {shard_teacher!r}")
     if not (dtype == "auto" or dtype in MODEL_DTYPES or isinstance(dtype, torch.dtype)):
         raise ValueError(f"dtype must be 'auto', one of {tuple(MODEL_DTYPES)} or a torch.dtype, "
                          f"got {dtype!r}")
@@ -376,7 +389,8 @@ def build_store(teacher_dir, data, out, *, k: int | None = None, samples: int | 
                       temperature=temperature, batch_size=batch_size, max_length=max_length,
                       padding_free=padding_free, codec=codec, logprob_dtype=logprob_dtype,
                       text_field=text_field, id_field=id_field,
-                      ids_field=ids_field, dtype=dtype, device=device, shard_bytes=shard_bytes,
+                      ids_field=ids_field, dtype=dtype, device=device,
+                      shard=shard_teacher and world > 1, shard_bytes=shard_bytes,
                       store_tokens=store_tokens, progress=progress, rank=rank, world=world,
                       start=start)
     finally:
@@ -389,7 +403,7 @@ def build_store(teacher_dir, data, out, *, k: int | None = None, samples: int | 
 def _build(teacher_dir, data, out, *, k, samples, seed, top_p, top_p_min_k, temperature,
            batch_size,
            max_length, padding_free, codec, logprob_dtype, text_field, id_field, ids_field,
-           dtype, device,
+           dtype, device, shard,
            shard_bytes, store_tokens, progress, rank, world, start) -> dict:
     from . import tokenizer_fingerprint
     from .writer import TeacherStoreWriter
@@ -399,8 +413,13 @@ def _build(teacher_dir, data, out, *, k, samples, seed, top_p, top_p_min_k, temp
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-    model = _load_model(teacher_dir, dtype, device)
-    if padding_free:
+    # a sharded teacher is loaded on the CPU and moved to the device a shard at a time
+    model = _load_model(teacher_dir, dtype, "cpu" if shard else device)
+    if shard:
+        from .sharded_teacher import shard_teacher
+
+        device = shard_teacher(model, device, world)
+    if padding_free:  # (a forward: collective, on every rank alike, when sharded)
         from ..hf.packing import PackingCheck
 
         PackingCheck()(model, "teacher")
@@ -431,11 +450,38 @@ def _build(teacher_dir, data, out, *, k, samples, seed, top_p, top_p_min_k, temp
         bar = _Progress(progress, mine, rank, world)
         added = skipped = tokens = 0
         warned = False
-        seen: set = set()
-        pending: list = []
 
-        def run(batch):
-            nonlocal tokens, warned
+        def batches():
+            """This rank's samples not yet stored, in batches of ``batch_size``."""
+            nonlocal skipped
+            seen: set = set()
+            pending: list = []
+            for ordinal, sample in enumerate(read_samples(data, text_field=text_field,
+                                                          id_field=id_field,
+                                                          ids_field=ids_field)):
+                where, sample_id = sample[:2]
+                if sample_id in seen:
+                    raise ValueError(f"{where}: sample id {sample_id!r} appears twice in {data}")
+                seen.add(sample_id)
+                if ordinal % world != rank:
+                    continue
+                if sample_id in writer:
+                    skipped += 1
+                    bar.skip()
+                    continue
+                if sample[2] is not None and tokenizer is None:
+                    raise ValueError(f"{where}: a text sample, but the teacher directory "
+                                     f"{teacher_dir} has no tokenizer; give token ids "
+                                     f"({ids_field!r}) or add a tokenizer")
+                pending.append(sample)
+                if len(pending) == batch_size:
+                    yield pending
+                    pending = []
+            if pending:
+                yield pending
+
+        def prepare(batch) -> list[list[int]]:
+            nonlocal warned
             ids = _tokenize(batch, tokenizer, max_length, embeddings)
             longest = max(map(len, ids), default=0)
             if not warned and max_positions and longest > max_positions:
@@ -443,6 +489,9 @@ def _build(teacher_dir, data, out, *, k, samples, seed, top_p, top_p_min_k, temp
                 warnings.warn(f"a sequence has {longest} tokens, more than the teacher's "
                               f"max_position_embeddings={max_positions}; pass max_length",
                               stacklevel=2)
+            return ids
+
+        def run(batch, ids) -> list:
             if samples is None:
                 def rows(logits, _):
                     return select_topk(logits, k, top_p=top_p, top_p_min_k=top_p_min_k,
@@ -453,41 +502,47 @@ def _build(teacher_dir, data, out, *, k, samples, seed, top_p, top_p_min_k, temp
                                            seed=seed, sample_ids=[batch[i][1]],
                                            vocab_size=vocab)
                     return trimmed(drawn.map(lambda t: t[0].cpu()))
-            teachers = _teachers(model, ids, pad_id, device, width, rows, k=k or samples,
-                                 samples=samples, temperature=temperature, vocab=vocab,
-                                 padding_free=padding_free)
+            return _teachers(model, ids, pad_id, device, width, rows, k=k or samples,
+                             samples=samples, temperature=temperature, vocab=vocab,
+                             padding_free=padding_free, always_forward=shard)
+
+        def write(batch, ids, teachers) -> None:
+            nonlocal added, tokens
             for (_, sample_id, _, _), seq, teacher in zip(batch, ids, teachers, strict=True):
                 writer.add(sample_id, seq, teacher)
                 tokens += len(seq)
+            added += len(batch)
             bar.update(len(batch), sum(map(len, ids)))
 
-        for ordinal, sample in enumerate(read_samples(data, text_field=text_field,
-                                                      id_field=id_field, ids_field=ids_field)):
-            where, sample_id = sample[:2]
-            if sample_id in seen:
-                raise ValueError(f"{where}: sample id {sample_id!r} appears twice in {data}")
-            seen.add(sample_id)
-            if ordinal % world != rank:
-                continue
-            if sample_id in writer:
-                skipped += 1
-                bar.skip()
-                continue
-            if sample[2] is not None and tokenizer is None:
-                raise ValueError(f"{where}: a text sample, but the teacher directory "
-                                 f"{teacher_dir} has no tokenizer; give token ids "
-                                 f"({ids_field!r}) or add a tokenizer")
-            pending.append(sample)
-            if len(pending) == batch_size:
-                run(pending)
-                added += len(pending)
-                pending = []
-        if pending:
-            run(pending)
-            added += len(pending)
+        if not shard:
+            for batch in batches():
+                ids = prepare(batch)
+                write(batch, ids, run(batch, ids))
+        else:
+            # every rank runs one forward per step until no rank has a batch left
+            from .sharded_teacher import Lockstep
+
+            lockstep, mine_left, failure = Lockstep(rank, device), batches(), None
+            while True:
+                batch = ids = None
+                if failure is None:
+                    try:
+                        batch = next(mine_left, None)
+                        ids = None if batch is None else prepare(batch)
+                    except Exception as e:  # stops every rank at this step
+                        batch, failure = None, e
+                if not lockstep.agree(batch is not None, failure):
+                    break
+                teachers = run(batch or [], ids or [])
+                if batch is not None:
+                    try:
+                        write(batch, ids, teachers)
+                    except Exception as e:  # reported at the next step, before its forward
+                        failure = e
         bar.close()
     return {"path": out, "added": added, "skipped": skipped, "tokens": tokens,
-            "seconds": time.perf_counter() - start, "rank": rank, "world_size": world}
+            "seconds": time.perf_counter() - start, "rank": rank, "world_size": world,
+            "sharded": shard}
 
 
 def encode_texts(tokenizer, texts: list[str], max_length: int | None) -> list[list[int]]:
@@ -522,13 +577,18 @@ def _tokenize(batch, tokenizer, max_length, embeddings) -> list[list[int]]:
 
 
 def _teachers(model, ids, pad_id, device, width, rows, *, k, samples, temperature, vocab,
-              padding_free=False) -> list:
+              padding_free=False, always_forward=False) -> list:
     """One forward pass over the non-empty sequences (right-padded, or packed in one row),
     then ``rows(logits [L_i, V], i)`` on each sequence's own rows (its top-K, or its draws);
-    empty sequences get zero rows."""
+    empty sequences get zero rows. ``always_forward``: with no non-empty sequence (or none at
+    all), a dummy forward all the same (a sharded teacher's forward is collective)."""
     teachers: list = [None] * len(ids)
     live = [i for i, seq in enumerate(ids) if seq]
-    if live and padding_free:
+    if not live and always_forward:
+        from .sharded_teacher import dummy_forward
+
+        dummy_forward(model, device)
+    elif live and padding_free:
         input_ids = torch.tensor([t for i in live for t in ids[i]], dtype=torch.int64)
         positions = torch.cat([torch.arange(len(ids[i])) for i in live])
         with torch.inference_mode():
