@@ -319,6 +319,8 @@ def run_layout(group, rank, width, sizes, vocab_size, failures, seed=0, names=No
             _compare(f"{tag} sparse_kl_loss k={k} reverse={reverse} {opts}", failures, lt, l1,
                      gt, g1[..., start:stop], same)
 
+    if names is not None:  # the compiled kernels' run: its cases and the selection only
+        return
     # a SampledTeacher (drawn from the whole teacher) against the sharded student
     drawn = topkd.sample_teacher(t, 12, seed=3, temperature=1.3, vocab_size=vocab_size)
     l1, g1 = _run(topkd.sparse_kl_loss, s, drawn, grad_output=gout, **vs)
@@ -491,7 +493,8 @@ def run_rank(rank, world, result_dir, body):
 
 
 # The compiled kernels' run: each rank compiles its own kernels, so two cases that cover both
-# paths, a mask, one-row chunks and the CE term with its own normalizer.
+# paths, a mask, one-row chunks and the CE term with its own normalizer, then the sharded
+# teacher's selection (its bf16 views and a SampledTeacher run eager only: test_parallel.py).
 COMPILED_CASES = ("topk mask mean chunk_bytes=1", "kl JSD(0.1) ce T=2 mask mean chunk_bytes=1")
 
 
@@ -500,13 +503,15 @@ def worker(rank, world, plan, result_dir):
     in order: ``plan["layouts"]``, the logits losses for each ``(width, shard sizes,
     vocab_size)``; the communication volume if ``plan["communication"]``; the edge cases;
     ``plan["fused"]``, the fused losses (fused_tp_worker) for each layout, and in bf16 for the
-    first; ``plan["compiled"]``, :data:`COMPILED_CASES` with the compiled kernels."""
+    first; ``plan["compiled"]``, :data:`COMPILED_CASES` with the compiled kernels. The edge
+    cases run unless ``plan["edge_cases"]`` is False."""
     def body(group, failures):
         for width, sizes, vocab_size in plan.get("layouts", ()):
             run_layout(group, rank, width, sizes, vocab_size, failures)
         if plan.get("communication"):
             run_communication(group, rank, failures)
-        run_edge_cases(group, rank, failures)
+        if plan.get("edge_cases", True):
+            run_edge_cases(group, rank, failures)
         fused = plan.get("fused", ())
         if fused:
             import fused_tp_worker

@@ -16,5 +16,5 @@ DEADLINE_S = 600  # the first build of the compiled kernels included
 def test_two_ranks_compiled(tmp_path):
     """The compiled kernels between the collectives (every rank compiles its own; a few cases,
     see tp_worker.COMPILED_CASES) on a padded layout."""
-    plan = {"compiled": [(37, [20, 17], 34)]}
+    plan = {"compiled": [(37, [20, 17], 34)], "edge_cases": False}  # (test_parallel.py's)
     helpers.spawn_ranks(tp_worker.worker, 2, (2, plan, str(tmp_path)), tmp_path, DEADLINE_S)
