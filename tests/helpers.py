@@ -227,8 +227,10 @@ def free_port() -> int:
 # rank is forked from it (a fresh interpreter, not a copy of the test process: no threads, no
 # process group, no CUDA), so a rank starts in a fraction of a second instead of importing
 # torch (and transformers) again: most of a small multi-rank test's time.
+# (A module missing here is skipped: the fork server ignores an ImportError.)
 _RANK_IMPORTS = ("torch", "torch.distributed", "torch.multiprocessing", "numpy", "topkd",
-                 "transformers", "transformers.modeling_utils")
+                 "transformers", "transformers.modeling_utils", "megatron.core",
+                 "megatron.core.parallel_state", "megatron.core.tensor_parallel")
 
 
 def _preload_forkserver() -> None:
