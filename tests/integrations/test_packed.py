@@ -122,7 +122,8 @@ def test_a_mask_of_ones_beside_packed_positions_is_dropped(tmp_path):
 
 def test_left_padded_rows_with_position_ids_are_not_packing(tmp_path):
     """Left-padded rows whose position_ids are the mask's cumulative sum (as for generation;
-    the padding's positions restart) keep their mask and train as right-padded rows do."""
+    the padding's positions restart) keep their mask and train as right-padded rows do: the
+    last pad, whose next label is its sequence's first token, learns nothing."""
     data = hf_worker.items()
     trainer = trainer_for(tmp_path, hf_worker.student(), hf_worker.teacher(), ce_weight=0.5)
     right = KDCollator()(data)
@@ -133,7 +134,6 @@ def test_left_padded_rows_with_position_ids_are_not_packing(tmp_path):
         n = len(item["input_ids"])
         for key in ("input_ids", "attention_mask", "labels"):
             left[key][b, length - n:] = right[key][b, :n]
-        left["labels"][b, length - n] = -100  # (no row predicts a first token)
     left["position_ids"] = (left["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     left["position_ids"].masked_fill_(left["attention_mask"] == 0, 1)
     with torch.no_grad():

@@ -84,10 +84,16 @@ class Layout:
         self.crossing = crossing
 
     def learned(self, labels: torch.Tensor) -> torch.Tensor:
-        """Bool ``[B, T - 1]``: the rows trained, where the next label is not -100 and the next
-        token is in the same sequence."""
+        """Bool ``[B, T - 1]``: the rows trained, where the next label is not -100, the next
+        token is in the same sequence and the row's own token is not padding (a left-padded
+        row's last pad would otherwise be trained on its sequence's first token, from no
+        context)."""
         keep = labels[:, 1:] != -100
-        return keep if self.crossing is None else keep & ~self.crossing.to(keep.device)
+        if self.crossing is not None:
+            keep = keep & ~self.crossing.to(keep.device)
+        if self.attention_mask is not None:
+            keep = keep & self.attention_mask[:, :-1].to(keep.device).bool()
+        return keep
 
     def sequence_of(self, b: int, t: int) -> int | None:
         """The index, over the whole batch, of the sequence holding row ``b``, position ``t``
