@@ -240,6 +240,9 @@ REF_CASES = [
                                                return_components=True)),
     ("sampled KD (12 draws) mean, CE, mask", "sampled", "sampled",
      dict(labels=True, ce_weight=0.5, mask=True, reduction="mean")),
+    # V + 3 teacher rows: its Shard(0) rows are not cut where the student's are
+    ("kl mean, a wider teacher head, vocab_size=V", "kl", "head_wide",
+     dict(reduction="mean", vocab_size=V)),
 ]
 
 
@@ -278,6 +281,9 @@ def _reference_case(distribute_tensor, Shard, mesh, rank, world, loss, kind, opt
     opts = dict(opts)
     k = opts.pop("k", None)
     use_labels, use_mask = opts.pop("labels", False), opts.pop("mask", False)
+    if kind == "head_wide":
+        kind, tw = "head", torch.cat([tw, 0.7 * torch.randn(
+            3, H_T, generator=torch.Generator().manual_seed(11), dtype=torch.float64)])
 
     def extra(r):
         e = dict(opts)

@@ -309,9 +309,12 @@ def _teacher_rows(teacher, mesh: Mesh, group, rows: int, n: int):
     if isinstance(teacher, tuple) and len(teacher) in (2, 3):
         t_hidden, t_weight, t_bias = (*teacher, None)[:3]
         t_hidden = parallel.gather_rows(t_hidden.reshape(n, t_hidden.shape[-1]), group, rows)
-        if is_dtensor(t_weight):
+        if is_dtensor(t_weight) and Mesh(t_weight).sizes == mesh.sizes_of(t_weight.shape[0]):
             head = [None if x is None else x.to_local().detach() for x in (t_weight, t_bias)]
-        else:  # a plain teacher head: this rank's rows of it
+        else:  # a plain teacher head, or a sharded one whose rows are not cut where the
+            # student's are (another vocabulary width: gathered whole, no gradient): this
+            # rank's rows of it, at the student's offsets
+            t_weight, t_bias = _whole_teacher((None, t_weight, t_bias))[1:]
             sizes = mesh.sizes_of(t_weight.shape[0])
             start = sum(sizes[:mesh.rank])
             head = [None if x is None else x.detach()[start:start + sizes[mesh.rank]]
