@@ -1,4 +1,4 @@
-"""The row codecs of format-2 stores: one sequence's top-K rows to bytes and back.
+"""The row codecs of format-2 and 3 stores: one sequence's rows to bytes and back.
 
 A row's kept entries are stored sorted by vocabulary index, which costs nothing to undo: the
 reader sorts them back by (log-prob descending, index ascending) -- the order a

@@ -156,9 +156,9 @@ _NUMPY = {"U8": np.uint8, "I32": np.int32, "I64": np.int64, "F32": np.float32}
 
 
 def _mapped(file: str, names) -> dict:
-    """Read-only numpy views of a safetensors file's tensors ``names`` (1-D, as format-2 row
-    tensors are), over one memory map of the file; the header was checked by safetensors
-    when the shard was opened."""
+    """Read-only numpy views of a safetensors file's tensors ``names`` (1-D, as the row tensors
+    of formats 2 and 3 are), over one memory map of the file; the header was checked by
+    safetensors when the shard was opened."""
     # (a plain ndarray over the map: slicing a np.memmap costs several microseconds more)
     mapped = np.asarray(np.memmap(file, dtype=np.uint8, mode="r"))
     size = int.from_bytes(mapped[:8].tobytes(), "little")
