@@ -367,6 +367,8 @@ def decode_sampled(payload: np.ndarray, low: int, rows: int, vocab_size: int, sa
         raise ValueError(f"the index bitmap holds {len(ones)} ids, the counts {entries}")
     row_of = np.repeat(np.arange(rows, dtype=np.int64), lengths)
     high = ones - np.arange(entries, dtype=np.int64) - row_of * hv
+    if entries and (int(high.min()) < 0 or int(high.max()) >= hv):
+        raise ValueError("the index bitmap's rows do not hold the counts' ids")
     fields = bitpack.unpack(payload[at:], entries, low, columns=True).astype(np.int64)
     used = np.arange(samples)[None, :] < lengths[:, None]
     indices = np.full((rows, samples), -1, np.int64)
