@@ -25,14 +25,14 @@ Python process:
   serialization, the write and the fsync) is timed apart.
 * **read**: in a new process (no state of the writer's process; the OS page cache still holds
   the shards just written, so these are reads from memory, not from the disk, unless
-  ``--drop-cache``), random sample ids by ``store.get(id, input_ids)`` (CRC-32 and token hash
+  ``--drop-cache``), random sample ids by ``store.get(id, input_ids)`` (checksum and token hash
   checked), by ``store.get(id)`` of a store opened with ``verify_reads=False`` (nothing
   checked), and ``store.collate`` of batches of ``--batch`` ids (checked). Sequences/s and
   tokens/s, median over ``--runs`` runs of ``--read-seqs`` sequences each, after an untimed
   warm-up run, with ``--read-threads`` torch threads (1, as in a ``DataLoader`` worker). Each
   run opens a new store object (its shards opened before the clock starts), so every page
   is mapped into the process for the first time, as in an epoch of training. A per-sequence
-  breakdown of the checked read (token hash, safetensors slicing, CRC-32, building the
+  breakdown of the checked read (token hash, safetensors slicing, checksum, building the
   ``SparseTeacher``) is timed apart.
 * **loss**: a batch of ``--loss-batch`` x ``--loss-seq-len`` rows at V, of LM-like teacher
   logits and of random-normal ones (``N(0, 1)``), the student ``0.8 t + 1.2 N(0, 1)``, in
@@ -399,7 +399,7 @@ def _read_breakdown(path, ids, tokens_of):
             b = time.perf_counter()
             sliced = shard.parts(position)
             c = time.perf_counter()
-            ok &= fmt.crc(sliced.values()) == shard.crc[position]
+            ok &= shard.checksum(sliced) == shard.crc[position]
             d = time.perf_counter()
             shard.rows(sliced, position)
             e = time.perf_counter()
@@ -715,7 +715,8 @@ def format_table(saved) -> str:
     lines += [
         "",
         "B / token and B / kept entry: every byte on disk (shard files and manifest; token "
-        "ids, ghost log-masses, offsets, hashes and CRCs included) over the token rows and over "
+        "ids, ghost log-masses, offsets, hashes and checksums included) over the token rows and "
+        "over "
         "the kept entries. write = the writer alone (construction, add of every "
         "sequence, close; each shard and the directory fsynced), median of the writes after "
         "an untimed warm-up write, MB = 10^6 B of shards. read = a fresh process with "
@@ -727,7 +728,8 @@ def format_table(saved) -> str:
         "opened before the clock); tok/s of CPU time: the fastest run's tokens over the "
         "process's CPU time (time.process_time), what a worker that has a core to itself "
         "reads, on a busy machine too: checked = store.get(id, "
-        "input_ids) (CRC-32 and token hash checked); unchecked = store.get(id) with "
+        "input_ids) (the sequence's checksum, CRC-32 in format 1, XXH3-64 in format 3, and "
+        "its token hash checked); unchecked = store.get(id) with "
         "verify_reads=False (nothing checked); "
         f"collate = store.collate of {meta['batch']} ids with their input_ids (checked) into "
         f"[{meta['batch']}, {meta['seq_len']}, {k}]. "
@@ -759,7 +761,8 @@ def format_table(saved) -> str:
         lines.append(
             f"Write time of {s['name']} (median run, {run['total_s']:.2f} s): opening the "
             f"writer {run['open_s']:.3f} s, add() packing the rows {run['rows_s']:.2f} s, "
-            f"writing {run['shards']} shard(s) (flush: CRC, SHA-256, serialize, write, fsync) "
+            f"writing {run['shards']} shard(s) (flush: checksums, SHA-256, serialize, write, "
+            f"fsync) "
             f"{run['flush_s']:.2f} s.")
     for s in stores:
         bd = (s.get("read") or {}).get("breakdown")
@@ -768,7 +771,7 @@ def format_table(saved) -> str:
                 f"Read breakdown, {s['name']}, median us per sequence of {meta['seq_len']:,} "
                 f"rows ({bd['sequences']} sequences, first touch): token hash "
                 f"{bd['token_hash']:.0f}, "
-                f"safetensors slicing {bd['slice']:.0f}, CRC-32 {bd['crc']:.0f}, building the "
+                f"safetensors slicing {bd['slice']:.0f}, checksum {bd['crc']:.0f}, building the "
                 f"SparseTeacher {bd['build']:.0f}; a whole checked get {bd['get']:.0f}, "
                 f"{bd['get_again']:.0f} when read again by the same store object (its pages "
                 f"already mapped).")

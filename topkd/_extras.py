@@ -7,8 +7,8 @@ import importlib.util
 
 # the import names of each extra's packages (pyproject.toml's optional dependencies)
 EXTRAS = {
-    "store": ("safetensors", "numpy"),
-    "hf": ("transformers", "accelerate", "tqdm", "safetensors", "numpy", "pyarrow"),
+    "store": ("safetensors", "numpy", "xxhash"),
+    "hf": ("transformers", "accelerate", "tqdm", "safetensors", "numpy", "xxhash", "pyarrow"),
     "megatron": ("modelopt", "megatron.core", "requests", "huggingface_hub"),
 }
 

@@ -123,7 +123,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
 
     verify = actions.add_parser(
         "verify", help="check every byte of every shard; exit 1 on any problem",
-        description="Check every shard in full (SHA-256 of each tensor, offsets, CRC-32s, "
+        description="Check every shard in full (SHA-256 of each tensor, offsets, checksums, "
         "duplicate ids). Prints each problem and exits 1 if there is any.")
     verify.add_argument("path", metavar="DIR", help="the store's directory")
     verify.set_defaults(run=_verify)

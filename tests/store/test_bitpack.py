@@ -30,3 +30,16 @@ def test_unary_and_bit_length():
     assert np.array_equal(bitpack.unpack_unary(data, 70), positions)
     values = np.array([0, 1, 2, 3, 255, 256, 2**32 - 1, 2**32, 2**63], dtype=np.uint64)
     assert bitpack.bit_length(values).tolist() == [0, 1, 2, 2, 8, 9, 32, 33, 64]
+
+
+@pytest.mark.parametrize("width", [3, 19, 33, 60])
+@pytest.mark.parametrize("count", [1, 9, 100])
+def test_column_order_round_trips(width, count):
+    values = np.arange(count, dtype=np.uint64) * np.uint64(7919) % np.uint64(2**width)
+    data = bitpack.pack(values, width, columns=True)
+    assert len(data) == bitpack.padded_bytes(count, width)
+    assert np.array_equal(bitpack.unpack(data, count, width, columns=True), values)
+    groups = (count + 7) // 8  # field e is field e // groups of group e % groups
+    plain = bitpack.unpack(data, 8 * groups, width)
+    assert np.array_equal(plain[8 * (np.arange(count) % groups) + np.arange(count) // groups],
+                          values)

@@ -1,6 +1,7 @@
-"""Format-2 stores (codecs ``compact`` and ``exact``): round trips at several K and V, the loss
-from a store against the float64 reference, the ghost at extreme tails, damaged shards, and a
-format-1 store written by the previous topkd, still read and resumed."""
+"""Format-3 stores (codecs ``compact`` and ``exact``): round trips at several K and V, the loss
+from a store against the float64 reference, the ghost at extreme tails, damaged shards, a
+format-1 store written by the previous topkd, still read and resumed, and a format-2 store,
+still read."""
 
 import math
 import os
@@ -95,7 +96,7 @@ def test_round_trip_through_a_store(tmp_path, codec, vocab, k):
     if rows > 1:
         t.logprobs[1, :] = -math.inf
     store = _write(tmp_path, teachers, codec=codec, shard_bytes=2000)
-    assert store.manifest["format_version"] == 2 and store.manifest["codec"] == codec
+    assert store.manifest["format_version"] == 3 and store.manifest["codec"] == codec
     assert verify_store(tmp_path) == []
     for number, (tokens, teacher) in enumerate(teachers):
         got = store.get(f"s{number}", tokens)
@@ -274,7 +275,7 @@ def test_damaged_rows_refused_by_reads_and_verify(tmp_path, codec, tensor):
     file = os.path.join(tmp_path, shard_files(str(tmp_path))[0])
     _flip(file, tensor)
     store = TeacherStore(tmp_path)
-    with pytest.raises(ValueError, match="CRC-32") as e:
+    with pytest.raises(ValueError, match="XXH3-64 checksum mismatch") as e:
         store.get("s0")
     assert file in str(e.value)
     for number in (1, 2):  # the other sequences still read
@@ -359,6 +360,39 @@ def test_format_1_store_still_reads_and_resumes(tmp_path):
     assert torch.equal(store.get("v1-3", tokens).logprobs, teacher.logprobs.half().float())
 
 
+def _v2_sequence(number):
+    """What tests/store/data/store-v2 holds (written by the format-2 writer with ``k=8,
+    vocab_size=300, top_p=0.9, shard_bytes=100, name="old"``, codec compact)."""
+    g = torch.Generator().manual_seed(3030 + number)
+    length = [5, 0, 3][number]
+    tokens = torch.randint(0, 300, (length,), generator=g)
+    logits = torch.randn(length, 300, generator=g) * 3
+    return tokens, topkd.select_topk(logits, 8, top_p=0.9, impl="eager")
+
+
+def test_format_2_store_still_reads(tmp_path):
+    """Its rows are the rows a format-3 store of the same teacher gives, bit for bit (the
+    same codes, the fields in the other order, CRC-32s); it is not resumed."""
+    path = tmp_path / "store-v2"
+    shutil.copytree(os.path.join(HERE, "data", "store-v2"), path)
+    store = TeacherStore(path)
+    assert store.manifest["format_version"] == 2 and store.manifest["codec"] == "compact"
+    assert verify_store(path) == []
+    sequences = [_v2_sequence(number) for number in range(3)]
+    assert any(bool((t.indices < 0).any()) for _, t in sequences)  # top-p rows (counts)
+    fresh = _write(tmp_path / "fresh", sequences, top_p=0.9)
+    assert fresh.manifest["format_version"] == 3
+    for number, (tokens, _) in enumerate(sequences):
+        got, want = store.get(f"v2-{number}", tokens), fresh.get(f"s{number}", tokens)
+        assert torch.equal(got.indices, want.indices)
+        assert torch.equal(got.logprobs.view(torch.int32), want.logprobs.view(torch.int32))
+        assert torch.equal(got.rest_logprob, want.rest_logprob)
+        assert torch.equal(store.tokens(f"v2-{number}"), tokens)
+    assert store.num_entries() == fresh.num_entries()
+    with pytest.raises(ValueError, match="format 2, which this topkd reads but does not write"):
+        TeacherStoreWriter(path, k=8, vocab_size=300, top_p=0.9, name="old")
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 
@@ -396,18 +430,24 @@ def test_store_info_shows_the_codec_and_bytes_per_entry(tmp_path, capsys):
     assert f"bytes per token, manifest included: {total / 10:.3f}" in out
 
 
-def _reference_decode(name, payload, base, width, counts, vocab, k, step=COMPACT_STEP):
+def _reference_decode(name, payload, base, width, counts, vocab, k, columns,
+                      step=COMPACT_STEP):
     """The layout of ``codec.py`` read bit by bit, row by row (slow and plain): what
-    :func:`codec.decode` must return exactly."""
+    :func:`codec.decode` must return exactly. ``columns``: field ``e`` is field ``e // groups``
+    of group ``e % groups`` (format 3), else field ``e % 8`` of group ``e // 8``."""
     rows, bits = len(base), width & row_codec.WIDTH_MASK
     low, hv = row_codec.low_bits(vocab, k), row_codec.high_values(vocab, k)
     counts = np.full(rows, k) if counts is None else np.asarray(counts)
     entries = int(counts.sum())
     unary = np.unpackbits(payload, bitorder="little")[:entries + rows * hv]
     at = (entries + rows * hv + 7) // 8
-    fbits = np.unpackbits(payload[at:], bitorder="little")[:entries * (bits + low)]
-    fields = (fbits.reshape(entries, bits + low).astype(np.uint64)
+    groups = (entries + 7) // 8
+    fbits = np.unpackbits(payload[at:], bitorder="little")[:8 * groups * (bits + low)]
+    fields = (fbits.reshape(8 * groups, bits + low).astype(np.uint64)
               << np.arange(bits + low, dtype=np.uint64)).sum(-1) if entries else []
+    if columns and entries:
+        entry = np.arange(entries)
+        fields = fields[8 * (entry % groups) + entry // groups]
     indices = np.full((rows, k), -1, np.int64)
     logprobs = np.full((rows, k), -math.inf, np.float32)
     entry, bit = 0, 0
@@ -434,22 +474,26 @@ def _reference_decode(name, payload, base, width, counts, vocab, k, step=COMPACT
     return indices, logprobs
 
 
-@pytest.mark.parametrize("vocab,k", [(300, 7), (300, 64), (LM_VOCAB, LM_K), (2**18 + 1, 8)])
+@pytest.mark.parametrize("vocab,k,columns", [(300, 7, True), (300, 64, True),
+                                             (LM_VOCAB, LM_K, True), (2**18 + 1, 8, True),
+                                             (300, 7, False)])
 @pytest.mark.parametrize("codec", ["exact", "compact"])
 @pytest.mark.parametrize("top_p", [None, 0.5])
-def test_decode_equals_a_plain_reading_of_the_layout(codec, vocab, k, top_p):
+def test_decode_equals_a_plain_reading_of_the_layout(codec, vocab, k, columns, top_p):
     """The vectorized decoder returns exactly (every bit of every float) what reading the
-    layout entry by entry gives: full rows, rows of several lengths, and -inf entries."""
+    layout entry by entry gives: full rows, rows of several lengths, and -inf entries; in
+    format 3's field order and format 2's."""
     tokens, teacher = _teacher(40, vocab, k, seed=vocab + k, top_p=top_p, scale=6.0)
     teacher.logprobs[3, k // 2:] = torch.where(teacher.indices[3, k // 2:] >= 0, -math.inf,
                                                teacher.logprobs[3, k // 2:])
     used = teacher.indices >= 0
     counts = used.sum(-1).numpy().astype(np.int64)
     payload, base, width = row_codec.encode(codec, teacher.indices[used].numpy(),
-                                            teacher.logprobs[used].numpy(), counts, vocab, k)
+                                            teacher.logprobs[used].numpy(), counts, vocab, k,
+                                            columns=columns)
     given = None if top_p is None else counts
-    got = row_codec.decode(codec, payload, base, width, given, vocab, k)
-    want = _reference_decode(codec, payload, base, width, given, vocab, k)
+    got = row_codec.decode(codec, payload, base, width, given, vocab, k, columns=columns)
+    want = _reference_decode(codec, payload, base, width, given, vocab, k, columns)
     assert got[0].dtype == np.int64 and got[1].dtype == np.float32
     assert np.array_equal(got[0], want[0])
     assert np.array_equal(got[1].view(np.int32), want[1].view(np.int32))

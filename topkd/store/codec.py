@@ -1,4 +1,4 @@
-"""The row codecs of format-2 stores: one sequence's top-K rows to bytes and back.
+"""The row codecs of format-2 and 3 stores: one sequence's rows to bytes and back.
 
 A row's kept entries are stored sorted by vocabulary index, which costs nothing to undo: the
 reader sorts them back by (log-prob descending, index ascending) -- the order a
@@ -10,8 +10,10 @@ holds two bit-packed sections, each starting on a byte:
    position among the row's sorted entries);
 2. one field per entry, ``code << low_bits | (index & (2**low_bits - 1))``, in
    ``code_width + low_bits`` bits (zero-padded to whole groups of 8 fields plus 8 bytes, so
-   that the reader unpacks them in place), where ``low_bits = floor(log2(vocab_size / k))``. An
-   index costs about ``log2(V/K) + 2`` bits (13.2 at K = 64, V = 151,936; int32 takes 32).
+   that the reader unpacks them in place; in format 3 in the column order of
+   :mod:`~topkd.store.bitpack`, in format 2 in the plain one), where
+   ``low_bits = floor(log2(vocab_size / k))``. An index costs about ``log2(V/K) + 2`` bits
+   (13.2 at K = 64, V = 151,936; int32 takes 32).
 
 Beside the payload: ``row_base`` (4 bytes per row) and one byte per sequence, its code width
 in bits 0-5 with bit 6 set when the all-ones code means ``-inf``.
@@ -79,10 +81,11 @@ def _from_descending_key(keys: np.ndarray) -> np.ndarray:
 # -- encoding -----------------------------------------------------------------------------
 
 def encode(codec: str, indices: np.ndarray, logprobs: np.ndarray, counts: np.ndarray,
-           vocab_size: int, k: int, step: float | None = None):
+           vocab_size: int, k: int, step: float | None = None, columns: bool = True):
     """Encode one sequence's rows: ``indices`` / ``logprobs`` are the kept entries of every
     row, row after row (int64 / float32 ``[E]``, in any order within a row), ``counts`` the
-    entries per row ``[R]``; ``step`` the compact codec's (default :data:`COMPACT_STEP`).
+    entries per row ``[R]``; ``step`` the compact codec's (default :data:`COMPACT_STEP`);
+    ``columns``: the fields in the column order (format 3) or the plain one (format 2).
     Returns ``(payload uint8, row_base [R] (float32 or int32),
     width)``, ``width`` the sequence's code byte."""
     rows = len(counts)
@@ -101,7 +104,8 @@ def encode(codec: str, indices: np.ndarray, logprobs: np.ndarray, counts: np.nda
                                             COMPACT_STEP if step is None else step)
     fields = (codes.astype(np.uint64) << np.uint64(low)) | (indices & ((1 << low) - 1)).astype(
         np.uint64)
-    return np.concatenate([unary, bitpack.pack(fields, (width & WIDTH_MASK) + low)]), base, width
+    return (np.concatenate([unary, bitpack.pack(fields, (width & WIDTH_MASK) + low, columns)]),
+            base, width)
 
 
 def _row_reduce(ufunc, values, starts, rows, empty):
@@ -177,12 +181,14 @@ def _warm_allocator() -> None:
 
 
 def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
-           counts: np.ndarray | None, vocab_size: int, k: int, step: float | None = None):
+           counts: np.ndarray | None, vocab_size: int, k: int, step: float | None = None,
+           columns: bool = True):
     """Decode one sequence: ``(indices int64 [R, K], logprobs float32 [R, K])``, each row
     ordered by log-prob descending, ties by lower index; unused slots ``-1`` / ``-inf``.
     ``counts`` None: every row keeps ``k`` entries; ``step``: the compact codec's step (the
-    manifest's ``logprob_step``; default :data:`COMPACT_STEP`). Raises ValueError when the
-    payload does not hold what the row arrays say."""
+    manifest's ``logprob_step``; default :data:`COMPACT_STEP`); ``columns``: the field order
+    (:func:`encode`). Raises ValueError when the payload does not hold what the row arrays
+    say."""
     _warm_allocator()
     rows = len(row_base)
     full = counts is None
@@ -202,7 +208,7 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
     if len(ones) != entries:
         raise ValueError(f"the index bitmap holds {len(ones)} entries, the rows {entries}")
     # each field is code << low | the index's low bits, with other bits above it (masked here)
-    fields = bitpack.unpack(payload[at:], entries, bits + low, mask=False)
+    fields = bitpack.unpack(payload[at:], entries, bits + low, mask=False, columns=columns)
     shift = low + max(1, (hv - 1).bit_length())  # the key: code, then index
     if bits + shift > 31:
         fields = fields.astype(np.uint64)  # (a no-op when the fields are already)
@@ -268,33 +274,129 @@ def decode(codec: str, payload: np.ndarray, row_base: np.ndarray, width: int,
 
 
 # -- sampled rows: distinct ids and their counts ------------------------------------------
+#
+# Format 3 (codec "counts"), per sequence of R rows drawn N = ``samples`` times, four
+# sections, each starting on a byte:
+#
+# 1. the token ids (when the store keeps them): R fields of ``bit_length(vocab_size - 1)``
+#    bits, in the column order;
+# 2. the counts, N - 1 bits per row: a row whose distinct ids (ascending) were drawn
+#    c_1, ..., c_d times is the N bits ``0^(c_1 - 1) 1 0^(c_2 - 1) 1 ... 0^(c_d - 1) 1``
+#    (a one where each id's draws end), without its last bit, always a one. This says
+#    the row's number of ids too (its ones), and counts that do not sum to N cannot be
+#    written. (12 draws: 11 bits a row, whatever was drawn.)
+# 3. the ids' Elias-Fano high parts, as for top-K rows (``entries + R * high_values`` bits);
+# 4. their ``low`` low bits, in the column order.
+#
+# ``low`` (the sequence's width byte) is chosen when writing to make sections 3 and 4 the
+# smallest for the sequence's own rows: about ``log2(V / d) + 2`` bits an id for rows of
+# ``d`` ids.
 
-def encode_counts(indices: np.ndarray, counts: np.ndarray, row_lengths: np.ndarray,
-                  vocab_size: int, samples: int):
-    """Encode one sequence's sampled rows (codec ``"counts"``): ``indices`` the distinct ids
-    drawn of every row, row after row (``[E]``, any order within a row), ``counts`` how often
-    each was drawn (1 to ``samples``), ``row_lengths`` the ids per row ``[R]``. The same two
-    sections as the top-K codecs, with ``k = samples`` and the code ``count - 1`` (4 bits at
-    12 samples). Returns ``(payload uint8, width)``."""
+def token_bits(vocab_size: int) -> int:
+    """Bits of a stored token id in a format-3 sampled store: ``bit_length(vocab_size - 1)``."""
+    return max(vocab_size - 1, 0).bit_length()
+
+
+def _ef_bits(entries: int, rows: int, vocab_size: int, low: int) -> int:
+    return entries * (low + 1) + rows * (((max(vocab_size, 1) - 1) >> low) + 1)
+
+
+def encode_sampled(indices: np.ndarray, counts: np.ndarray, row_lengths: np.ndarray,
+                   vocab_size: int, samples: int, tokens: np.ndarray | None = None):
+    """Encode one sequence's sampled rows (format 3): ``indices`` the distinct ids drawn of
+    every row, row after row (``[E]``, any order within a row), ``counts`` how often each was
+    drawn (each row's summing to ``samples``), ``row_lengths`` the ids per row ``[R]`` (at
+    least 1), ``tokens`` the sequence's token ids ``[R]`` (in ``[0, vocab_size)``) or None.
+    Returns ``(payload uint8, low)``."""
     rows = len(row_lengths)
     row_of = np.repeat(np.arange(rows, dtype=np.int64), row_lengths)
     order = np.lexsort((indices, row_of))  # by row, then by index
     indices = indices[order].astype(np.int64)
-    codes = counts[order].astype(np.int64) - 1
-    entry = np.arange(len(indices), dtype=np.int64)
-    low, hv = low_bits(vocab_size, samples), high_values(vocab_size, samples)
-    unary = bitpack.pack_unary((indices >> low) + entry + row_of * hv, len(indices) + rows * hv)
-    width = _width(codes.max(initial=0))
-    fields = (codes.astype(np.uint64) << np.uint64(low)) | (indices & ((1 << low) - 1)).astype(
-        np.uint64)
-    return np.concatenate([unary, bitpack.pack(fields, width + low)]), width
+    counts = counts[order].astype(np.int64)
+    sections = [] if tokens is None else [
+        bitpack.pack(np.asarray(tokens, np.int64), token_bits(vocab_size), columns=True)]
+    # where each id's draws end, in the row's N bits (the row's last bit, always 1, dropped)
+    drawn = np.concatenate([[0], np.cumsum(counts)])  # draws before each id and after
+    drawn = drawn[1:] - np.repeat(drawn[np.cumsum(row_lengths) - row_lengths], row_lengths)
+    ends = np.zeros((rows, samples), np.uint8)
+    ends[row_of, drawn - 1] = 1
+    sections.append(np.packbits(ends[:, :-1].reshape(-1), bitorder="little"))
+    entries = len(indices)
+    low = min(range(token_bits(vocab_size) + 1),
+              key=lambda b: _ef_bits(entries, rows, vocab_size, b))
+    hv = ((max(vocab_size, 1) - 1) >> low) + 1
+    entry = np.arange(entries, dtype=np.int64)
+    sections.append(bitpack.pack_unary((indices >> low) + entry + row_of * hv,
+                                       entries + rows * hv))
+    sections.append(bitpack.pack(indices & ((1 << low) - 1), low, columns=True))
+    return np.concatenate(sections), low
+
+
+def sampled_tokens(payload: np.ndarray, rows: int, vocab_size: int) -> np.ndarray:
+    """The token ids (int64 ``[R]``) at the start of a format-3 sampled sequence's payload."""
+    width = token_bits(vocab_size)
+    return bitpack.unpack(payload[:bitpack.padded_bytes(rows, width)], rows, width,
+                          columns=True).astype(np.int64)
+
+
+def decode_sampled(payload: np.ndarray, low: int, rows: int, vocab_size: int, samples: int,
+                   tokens: bool):
+    """Decode one sequence of :func:`encode_sampled` (``tokens``: whether it holds the token
+    ids, which are skipped: :func:`sampled_tokens` reads them): ``(indices int64 [R, samples],
+    counts int32 [R, samples])``, each row's ids ascending, then unused slots ``-1`` / 0.
+    Raises ValueError when the payload does not hold what its sections say."""
+    at = bitpack.padded_bytes(rows, token_bits(vocab_size)) if tokens else 0
+    end = at + _section_bytes(rows * (samples - 1))
+    if low > 31 or end > len(payload):
+        raise ValueError(f"low bits {low} or a payload of {len(payload)} bytes too short for "
+                         f"{rows} rows")
+    ends = np.ones((rows, samples), np.uint8)
+    ends[:, :-1] = np.unpackbits(payload[at:end], count=rows * (samples - 1),
+                                 bitorder="little").reshape(rows, samples - 1)
+    last = np.flatnonzero(ends.reshape(-1).view(bool))  # row * samples + the id's last draw
+    lengths = ends.sum(axis=1, dtype=np.int64)
+    entries = len(last)
+    hv = ((max(vocab_size, 1) - 1) >> low) + 1
+    unary_bits = entries + rows * hv
+    at = end + _section_bytes(unary_bits)
+    if len(payload) != at + bitpack.padded_bytes(entries, low):
+        raise ValueError(f"the payload has {len(payload)} bytes, its rows need "
+                         f"{at + bitpack.padded_bytes(entries, low)}")
+    ones = bitpack.unpack_unary(payload[end:at], unary_bits)
+    if len(ones) != entries:
+        raise ValueError(f"the index bitmap holds {len(ones)} ids, the counts {entries}")
+    row_of = np.repeat(np.arange(rows, dtype=np.int64), lengths)
+    high = ones - np.arange(entries, dtype=np.int64) - row_of * hv
+    if entries and (int(high.min()) < 0 or int(high.max()) >= hv):
+        raise ValueError("the index bitmap's rows do not hold the counts' ids")
+    fields = bitpack.unpack(payload[at:], entries, low, columns=True).astype(np.int64)
+    used = np.arange(samples)[None, :] < lengths[:, None]
+    indices = np.full((rows, samples), -1, np.int64)
+    counts = np.zeros((rows, samples), np.int32)
+    indices[used] = (high << low) | fields
+    counts[used] = np.diff(last, prepend=-1)
+    return indices, counts
+
+
+def sampled_entries(payload: np.ndarray, rows: int, vocab_size: int, samples: int,
+                    tokens: bool) -> int:
+    """How many ids a format-3 sampled sequence holds (its rows plus the ones of its counts
+    section)."""
+    at = bitpack.padded_bytes(rows, token_bits(vocab_size)) if tokens else 0
+    bits = np.unpackbits(payload[at:at + _section_bytes(rows * (samples - 1))],
+                         count=rows * (samples - 1), bitorder="little")
+    return rows + int(bits.sum())
 
 
 def decode_counts(payload: np.ndarray, width: int, row_lengths: np.ndarray, vocab_size: int,
                   samples: int):
-    """Decode one sequence of :func:`encode_counts`: ``(indices int64 [R, samples], counts
-    int32 [R, samples])``, each row's ids ascending, then unused slots ``-1`` / 0. Raises
-    ValueError when the payload does not hold what the row lengths say."""
+    """Decode one sequence of a format-2 sampled store (read, no longer written): the
+    sections 3 and 4 above with ``k = samples`` (``low = low_bits(vocab_size, samples)``),
+    each field ``(count - 1) << low | low bits`` in ``width + low`` bits in the plain order,
+    and a byte per row (``row_lengths``, its number of ids) beside the payload.
+    Returns ``(indices int64 [R, samples], counts int32 [R, samples])``, each row's ids
+    ascending, then unused slots ``-1`` / 0. Raises ValueError when the payload does not
+    hold what the row lengths say."""
     rows = len(row_lengths)
     row_lengths = np.asarray(row_lengths).astype(np.int64)
     entries = int(row_lengths.sum())

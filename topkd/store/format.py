@@ -14,23 +14,29 @@ error writes it even with nothing stored: an empty store.)
 
 A shard is one safetensors file (https://github.com/huggingface/safetensors): a JSON header, then
 raw little-endian arrays, memory-mapped by the reader. The manifest's ``format_version`` says
-which tensors a shard holds. Format 2 (codecs ``"compact"`` and ``"exact"``, see
-:mod:`topkd.store.codec`):
+which tensors a shard holds. Format 3 (what this topkd writes, but for codec ``"plain"``;
+:mod:`topkd.store.codec` has the payloads), for top-K rows (codecs ``"compact"`` and
+``"exact"``):
 
 - ``payload`` uint8 ``[B]``: every sequence's encoded rows, sequence after sequence;
 - ``row_base`` ``[T]`` (float32 for ``compact``, int32 for ``exact``): each row's base;
 - ``rest_logprob``, ``counts``, ``input_ids``, ``seq_rows``, ``token_hash``: as in format 1;
 - ``seq_bytes`` int64 ``[S + 1]``: where each sequence's payload starts;
 - ``seq_width`` uint8 ``[S]``: each sequence's code width byte;
-- ``crc`` int64 ``[S]``: CRC-32 of each sequence's bytes in ``payload``, ``row_base``,
-  ``rest_logprob`` and ``counts`` (:data:`CRC_TENSORS_V2`).
+- ``crc`` int64 ``[S]``: the XXH3-64 checksum (as a signed integer) of each sequence's bytes
+  in ``payload``, ``row_base``, ``rest_logprob`` and ``counts`` (:data:`CRC_TENSORS_V2`).
 
 The manifest's ``kind`` says what a row holds: ``"topk"``, a teacher's K most probable entries;
-or ``"sampled"`` (codec ``"counts"``, format 2), the distinct tokens drawn from the teacher
-``samples`` times per position and how often each was drawn (RS-KD,
-:class:`~topkd.SampledTeacher`). A sampled shard has no ``row_base`` and no ``rest_logprob``
-(no base, no ghost): its ``counts`` ``[T]`` (uint8, always present) are the distinct ids per
-row, and its CRC-32s cover ``payload`` and ``counts`` (:data:`CRC_TENSORS_SAMPLED`).
+or ``"sampled"`` (codec ``"counts"``), the distinct tokens drawn from the teacher ``samples``
+times per position and how often each was drawn (RS-KD, :class:`~topkd.SampledTeacher`). A
+sampled shard holds ``payload`` and the per-sequence arrays only: the counts, the ids and the
+token ids (when stored) are all in the payload, and the checksums cover it
+(:data:`CRC_TENSORS_SAMPLED`); ``seq_width`` is the ids' low bits.
+
+Format 2 (read, no longer written) is format 3 with CRC-32 checksums, the top-K payload's
+fields in the plain order, and sampled shards of another layout: the ids and counts in the
+payload, ``counts`` uint8 ``[T]`` (the ids per row) and ``input_ids`` beside it, CRC-32s over
+both (:data:`CRC_TENSORS_SAMPLED_V2`).
 
 Format 1 (codec ``"plain"``, a fixed width per entry; still read and resumed):
 
@@ -66,9 +72,9 @@ import numpy as np
 import torch
 
 FORMAT = "topkd-teacher-store"
-FORMAT_VERSION = 2  # what compact and exact stores are written in
+FORMAT_VERSION = 3  # what compact, exact and sampled stores are written in
 PLAIN_VERSION = 1  # fixed-width entries: codec "plain", with a logprob_dtype
-READABLE_VERSIONS = (PLAIN_VERSION, FORMAT_VERSION)
+READABLE_VERSIONS = (PLAIN_VERSION, 2, FORMAT_VERSION)
 CODECS = ("compact", "exact", "plain")
 KINDS = ("topk", "sampled")
 SAMPLED_CODEC = "counts"  # the codec of every sampled store
@@ -87,10 +93,11 @@ CRC_TENSORS_V2 = ("payload", "row_base", "rest_logprob", "counts")
 ROW_TENSORS_V2 = CRC_TENSORS_V2 + (TOKENS,)
 SEQUENCE_TENSORS_V2 = ("seq_rows", "seq_bytes", "seq_width", "token_hash", "crc")
 REQUIRED_TENSORS_V2 = ("payload", "row_base", "rest_logprob") + SEQUENCE_TENSORS_V2
-# sampled rows (kind "sampled", format 2)
-CRC_TENSORS_SAMPLED = ("payload", "counts")
-ROW_TENSORS_SAMPLED = CRC_TENSORS_SAMPLED + (TOKENS,)
+# sampled rows (kind "sampled"): format 3, and format 2
+CRC_TENSORS_SAMPLED = ("payload",)
 REQUIRED_TENSORS_SAMPLED = CRC_TENSORS_SAMPLED + SEQUENCE_TENSORS_V2
+CRC_TENSORS_SAMPLED_V2 = ("payload", "counts")
+REQUIRED_TENSORS_SAMPLED_V2 = CRC_TENSORS_SAMPLED_V2 + SEQUENCE_TENSORS_V2
 TOKEN_DTYPE = torch.int32
 LOGPROB_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                   "float16": torch.float16}
@@ -175,6 +182,32 @@ def crc(tensors) -> int:
     for t in tensors:
         value = zlib.crc32(t if isinstance(t, np.ndarray) else tensor_bytes(t), value)
     return value
+
+
+# Each format's per-sequence checksum: XXH3-64 reads at about 10x CRC-32's speed here.
+CHECKSUMS = {1: "CRC-32", 2: "CRC-32", 3: "XXH3-64"}
+
+
+def checksum(tensors, version: int) -> int:
+    """The checksum of format ``version`` (:data:`CHECKSUMS`) of the bytes of ``tensors``
+    (torch tensors or contiguous numpy arrays), in order, as a signed 64-bit integer (what
+    the ``crc`` tensor holds)."""
+    if version < 3:
+        return crc(tensors)
+    state = _xxh3_64()
+    for t in tensors:
+        state.update(t if isinstance(t, np.ndarray) else tensor_bytes(t))
+    value = state.intdigest()
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _xxh3_64():
+    try:
+        import xxhash
+    except ImportError:
+        raise ImportError("teacher stores of format 3 need xxhash: pip install "
+                          "'topkd[store]'") from None
+    return xxhash.xxh3_64()
 
 
 def sha256(t: torch.Tensor) -> str:

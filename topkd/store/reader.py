@@ -33,7 +33,7 @@ class TeacherStore:
         vocab_size, k, temperature, tokenizer_fingerprint: when given, the store must have
             been written with these (the error names both values), so a student run cannot read
             targets made for another vocabulary, selection or tokenizer.
-        verify_reads: check each sequence's CRC-32 when it is read (default True; a damaged
+        verify_reads: check each sequence's checksum when it is read (default True; a damaged
             shard is then reported by name instead of read as wrong numbers).
 
     The shards present when the store is opened are its contents; a damaged or truncated shard
@@ -98,14 +98,7 @@ class TeacherStore:
 
     def num_entries(self) -> int:
         """Kept entries stored, over all token rows (K per row, fewer in rows top-p cut)."""
-        total = 0
-        for number in range(len(self.files)):
-            shard = self._shard(number)
-            if shard.has_counts:
-                total += int(shard.slices["counts"][:].sum())
-            else:
-                total += shard.seq_rows[-1] * self.k
-        return total
+        return sum(self._shard(number).num_entries() for number in range(len(self.files)))
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -188,13 +181,13 @@ class TeacherStore:
                     f"are not the ones the teacher store {self.path} was built from (token hash "
                     f"differs); the data and the store are misaligned")
         parts = shard.parts(position)
-        if self.verify_reads and fmt.crc(parts.values()) != shard.crc[position]:
+        if self.verify_reads and shard.checksum(parts) != shard.crc[position]:
             raise ValueError(f"sample_id {sample_id!r}: its data in teacher store shard "
-                             f"{shard.file} is damaged (CRC-32 mismatch); run "
-                             f"`topkd store verify {self.path}`")
+                             f"{shard.file} is damaged ({fmt.CHECKSUMS[shard.version]} "
+                             f"checksum mismatch); run `topkd store verify {self.path}`")
         try:
             rows = shard.rows(parts, position)
-        except ValueError as e:  # only without verify_reads: the CRC-32 would have caught it
+        except ValueError as e:  # only without verify_reads: the checksum would have caught it
             raise ValueError(f"sample_id {sample_id!r}: its data in teacher store shard "
                              f"{shard.file} is damaged ({e}); run "
                              f"`topkd store verify {self.path}`") from None

@@ -16,8 +16,8 @@ from .shard import open_file, shard_ids
 def verify_store(path: str) -> list[str]:
     """Every problem found in the store at ``path``, one line each naming its file; empty when
     the store is whole. Reads every shard in full (SHA-256 of each tensor), checks the
-    per-sequence layout, CRC-32s and stored token ids (against their token hashes), and that no
-    sample id is stored twice."""
+    per-sequence layout, checksums and stored token ids (against their token hashes), and that
+    no sample id is stored twice."""
     path = os.fspath(path)
     try:
         manifest = fmt.read_manifest(path)
@@ -51,10 +51,12 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
             hashes = json.loads(metadata["sha256"])
         except (KeyError, json.JSONDecodeError):
             raise bad("header metadata (sha256) missing or unreadable") from None
-        v2 = manifest["format_version"] != fmt.PLAIN_VERSION
+        version = manifest["format_version"]
         sampled = manifest["kind"] == "sampled"
-        required = (fmt.REQUIRED_TENSORS_SAMPLED if sampled else
-                    fmt.REQUIRED_TENSORS_V2 if v2 else fmt.REQUIRED_TENSORS)
+        required = ((fmt.REQUIRED_TENSORS_SAMPLED if version >= 3 else
+                     fmt.REQUIRED_TENSORS_SAMPLED_V2) if sampled else
+                    fmt.REQUIRED_TENSORS if version == fmt.PLAIN_VERSION else
+                    fmt.REQUIRED_TENSORS_V2)
         missing = [name for name in required if name not in handle.keys()]
         if missing:
             raise bad(f"tensors {missing} are missing")
@@ -65,9 +67,13 @@ def _verify_shard(path: str, file: str, manifest: dict) -> list:
     for name, t in tensors.items():
         if fmt.sha256(t) != hashes[name]:
             raise bad(f"tensor {name!r} does not match its SHA-256 (the file was altered)")
-    check = _check_rows_sampled if sampled else _check_rows_v2 if v2 else _check_rows_v1
-    check(tensors, ids, manifest, bad)
-    tokens = tensors.get(fmt.TOKENS)
+    if sampled and version >= 3:
+        tokens = _check_rows_sampled(tensors, ids, manifest, bad)
+    else:
+        check = (_check_rows_sampled_v2 if sampled else _check_rows_v1
+                 if version == fmt.PLAIN_VERSION else _check_rows_v2)
+        check(tensors, ids, manifest, bad)
+        tokens = tensors.get(fmt.TOKENS)
     rows = tensors["seq_rows"].tolist()
     if manifest["store_tokens"] and tokens is None:
         raise bad(f"no {fmt.TOKENS} though the manifest says store_tokens=true")
@@ -93,12 +99,16 @@ def _check_offsets(tensors, ids, rows, starts, tokens: int, end: int, bad, agree
         raise bad("sequence offsets, counts and array lengths disagree")
 
 
-def _sequences(tensors, ids, rows, starts, crc_parts, bad):
+def _check_sum(tensors, parts, i, sample_id, version, bad) -> None:
+    if fmt.checksum(parts, version) != int(tensors["crc"][i]):
+        raise bad(f"sample_id {sample_id!r}: {fmt.CHECKSUMS[version]} checksum mismatch")
+
+
+def _sequences(tensors, ids, rows, starts, crc_parts, version, bad):
     """``(i, sample_id, payload, r0, r1)`` of every sequence of an encoded shard (its bytes
-    of ``payload``, its rows ``r0:r1``), once its CRC-32 (over ``crc_parts``) holds."""
+    of ``payload``, its rows ``r0:r1``), once its checksum (over ``crc_parts``) holds."""
     for i, sample_id in enumerate(ids):
-        if fmt.crc(crc_parts(tensors, rows, starts, i)) != int(tensors["crc"][i]):
-            raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
+        _check_sum(tensors, crc_parts(tensors, rows, starts, i), i, sample_id, version, bad)
         yield (i, sample_id, tensors["payload"][starts[i]:starts[i + 1]].numpy(), rows[i],
                rows[i + 1])
 
@@ -124,13 +134,41 @@ def _check_rows_v1(tensors, ids, manifest, bad) -> None:
         raise bad(f"logprobs are {tensors['logprobs'].dtype}, the manifest says "
                   f"{manifest['logprob_dtype']}")
     for i, sample_id in enumerate(ids):
-        if fmt.crc(fmt.crc_parts(tensors, rows, entries, i)) != int(tensors["crc"][i]):
-            raise bad(f"sample_id {sample_id!r}: CRC-32 mismatch")
+        _check_sum(tensors, fmt.crc_parts(tensors, rows, entries, i), i, sample_id,
+                   fmt.PLAIN_VERSION, bad)
 
 
-def _check_rows_sampled(tensors, ids, manifest, bad) -> None:
-    """The offsets and lengths agree, every CRC-32 holds, and every sequence decodes to rows
-    of distinct in-vocabulary ids whose counts sum to ``samples``."""
+def _check_rows_sampled(tensors, ids, manifest, bad) -> torch.Tensor | None:
+    """Format 3: the offsets agree, every checksum holds, and every sequence decodes (its
+    payload's length exactly what its sections say) to rows of distinct in-vocabulary ids
+    (their counts sum to ``samples`` by construction). Returns the token ids decoded
+    (int32 ``[T]``), or None when the store keeps none."""
+    rows, starts = tensors["seq_rows"].tolist(), tensors["seq_bytes"].tolist()
+    samples, vocab = manifest["samples"], manifest["vocab_size"]
+    has_tokens = bool(manifest["store_tokens"])
+    _check_offsets(tensors, ids, rows, starts, rows[-1] if rows else 0,
+                   tensors["payload"].shape[0], bad,
+                   tuple(tensors["seq_width"].shape) == (len(ids),))
+    tokens = []
+    for i, sample_id, payload, r0, r1 in _sequences(tensors, ids, rows, starts,
+                                                    fmt.crc_parts_sampled, 3, bad):
+        indices, _ = _decoded(sample_id, bad, codec.decode_sampled, payload,
+                              int(tensors["seq_width"][i]), r1 - r0, vocab, samples, has_tokens)
+        used = indices >= 0
+        if (indices >= vocab).any() or (used[:, 1:] & (indices[:, 1:] <= indices[:, :-1])).any():
+            raise bad(f"sample_id {sample_id!r}: decodes to ids outside the vocabulary or "
+                      f"repeated ids")
+        if has_tokens:
+            tokens.append(torch.from_numpy(codec.sampled_tokens(payload, r1 - r0, vocab)))
+    if not has_tokens:
+        return None
+    return (torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int64)).to(
+        fmt.TOKEN_DTYPE)
+
+
+def _check_rows_sampled_v2(tensors, ids, manifest, bad) -> None:
+    """Format 2: the offsets and lengths agree, every CRC-32 holds, and every sequence
+    decodes to rows of distinct in-vocabulary ids whose counts sum to ``samples``."""
     rows, starts = tensors["seq_rows"].tolist(), tensors["seq_bytes"].tolist()
     samples, vocab = manifest["samples"], manifest["vocab_size"]
     lengths = tensors["counts"]
@@ -138,7 +176,7 @@ def _check_rows_sampled(tensors, ids, manifest, bad) -> None:
                    bad, lengths.dtype == torch.uint8
                    and tuple(tensors["seq_width"].shape) == (len(ids),))
     for i, sample_id, payload, r0, r1 in _sequences(tensors, ids, rows, starts,
-                                                    fmt.crc_parts_sampled, bad):
+                                                    fmt.crc_parts_sampled, 2, bad):
         indices, counts = _decoded(sample_id, bad, codec.decode_counts, payload,
                                    int(tensors["seq_width"][i]), lengths[r0:r1].numpy(), vocab,
                                    samples)
@@ -148,7 +186,7 @@ def _check_rows_sampled(tensors, ids, manifest, bad) -> None:
 
 
 def _check_rows_v2(tensors, ids, manifest, bad) -> None:
-    """The offsets and lengths agree, every CRC-32 holds, and every sequence decodes to
+    """The offsets and lengths agree, every checksum holds, and every sequence decodes to
     distinct in-vocabulary indices and log-probs without NaN."""
     rows, starts = tensors["seq_rows"].tolist(), tensors["seq_bytes"].tolist()
     k, vocab = manifest["k"], manifest["vocab_size"]
@@ -164,13 +202,14 @@ def _check_rows_v2(tensors, ids, manifest, bad) -> None:
                   f"has {base_dtype}")
     if counts is not None and bool(((counts < 0) | (counts > k)).any()):
         raise bad(f"counts outside 0..{k}")
+    version = manifest["format_version"]
     for i, sample_id, payload, r0, r1 in _sequences(tensors, ids, rows, starts,
-                                                    fmt.crc_parts_v2, bad):
+                                                    fmt.crc_parts_v2, version, bad):
         indices, logprobs = _decoded(
             sample_id, bad, codec.decode, manifest["codec"], payload,
             tensors["row_base"][r0:r1].numpy(), int(tensors["seq_width"][i]),
             None if counts is None else counts[r0:r1].numpy(), vocab, k,
-            manifest.get("logprob_step"))
+            manifest.get("logprob_step"), version >= 3)
         used = indices >= 0
         if bool((indices >= vocab).any()) or np.isnan(logprobs).any() or (
                 used[:, 1:] & (indices[:, 1:] == indices[:, :-1])).any():

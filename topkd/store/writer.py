@@ -28,8 +28,9 @@ class TeacherStoreWriter:
         samples: instead of ``k``: a store of sampled rows (kind ``"sampled"``), the distinct
             tokens of ``samples`` draws per position and their counts, as
             :func:`topkd.sample_teacher` makes them (:class:`~topkd.SampledTeacher`); codec
-            ``"counts"`` (ids Elias-Fano coded, a count in ``bit_length(samples - 1)`` bits,
-            one byte per row), no top-p, no ghost.
+            ``"counts"`` (the counts in ``samples - 1`` bits a row, the ids Elias-Fano coded,
+            the token ids in ``bit_length(vocab_size - 1)`` bits: they must lie in
+            ``[0, vocab_size)``), no top-p, no ghost.
         vocab_size: the vocabulary the teacher was normalized over, up to ``2**31 - 2``.
         top_p, top_p_min_k, temperature: the selection's settings, recorded in the manifest;
             every added teacher must have this ``k``, temperature and vocabulary.
@@ -144,21 +145,24 @@ class TeacherStoreWriter:
     # -- setup -------------------------------------------------------------------------------
 
     def _new_manifest(self, metadata: dict) -> dict:
+        sampled = self.settings["kind"] == "sampled"
         if self.settings["codec"] == "plain":
             layout = {"format_version": fmt.PLAIN_VERSION, "index_dtype": "int32"}
         else:
             layout = {"format_version": fmt.FORMAT_VERSION,
-                      "index_coding": "elias-fano, entries sorted by index within a row"}
+                      "index_coding": "elias-fano, entries sorted by index within a row",
+                      "checksum": "xxh3-64"}
             if self.settings["codec"] == "compact":
                 layout["logprob_step"] = row_codec.COMPACT_STEP
-        if self.settings["kind"] == "sampled":
-            layout["count_coding"] = "count - 1 in bit_length(samples - 1) bits"
+        if sampled:
+            layout["count_coding"] = "a one where each id's draws end, samples - 1 bits a row"
         else:
             layout["rest_dtype"] = "float32"
         manifest = {"format": fmt.FORMAT, **layout, **self.settings,
                     "token_hash": fmt.TOKEN_HASH, "metadata": metadata}
         if self.settings["store_tokens"]:
-            manifest["input_ids_dtype"] = "int32"
+            manifest["input_ids_dtype"] = ("bit_length(vocab_size - 1) bits, in the payload"
+                                           if sampled else "int32")
         return manifest
 
     def _existing_manifest(self) -> dict | None:
@@ -176,6 +180,12 @@ class TeacherStoreWriter:
             return None
         try:
             self._check(existing)
+            if existing["format_version"] not in (fmt.PLAIN_VERSION, fmt.FORMAT_VERSION):
+                raise ValueError(
+                    f"the teacher store {self.path} is in format {existing['format_version']}, "
+                    f"which this topkd reads but does not write (it writes format "
+                    f"{fmt.FORMAT_VERSION}); finish it with the topkd that started it, or "
+                    f"write into another directory")
         except ValueError as e:
             if files:
                 raise
@@ -256,9 +266,14 @@ class TeacherStoreWriter:
             raise ValueError(f"sample_id {sample_id!r} is already in the store {self.path}")
         token_hash = fmt.token_hash(input_ids)
         length = len(input_ids)
-        rows = self._rows(sample_id, teacher, length)
-        if self.settings["store_tokens"]:
-            rows[fmt.TOKENS] = self._tokens(sample_id, input_ids)
+        tokens = self._tokens(sample_id, input_ids) if self.settings["store_tokens"] else None
+        if self.settings["kind"] == "sampled":
+            rows = self._sampled_rows(sample_id, teacher, length, tokens)
+        else:
+            rows = self._rows(sample_id, teacher, length)
+            if tokens is not None:
+                rows[fmt.TOKENS] = tokens
+        rows["rows"] = length
         self._stored.add(sample_id)
         self._pending.append((sample_id, token_hash, rows))
         self._pending_bytes += sum(t.numel() * t.element_size() for t in rows.values()
@@ -279,9 +294,8 @@ class TeacherStoreWriter:
                                  f"store {self.path} has {key}={want}")
 
     def _rows(self, sample_id, teacher, length: int) -> dict:
-        """Validate one sequence's teacher and pack its rows (the parts its CRC-32 covers)."""
-        if self.settings["kind"] == "sampled":
-            return self._sampled_rows(sample_id, teacher, length)
+        """Validate one sequence's teacher and pack its rows (the parts its checksum
+        covers)."""
         if not isinstance(teacher, SparseTeacher):
             raise TypeError(f"teacher must be a topkd.SparseTeacher, got "
                             f"{type(teacher).__name__}")
@@ -330,8 +344,9 @@ class TeacherStoreWriter:
         return {"payload": torch.from_numpy(payload), "row_base": torch.from_numpy(base),
                 "rest_logprob": rest, "counts": counts, "width": width}
 
-    def _sampled_rows(self, sample_id, teacher, length: int) -> dict:
-        """Validate one sequence's :class:`~topkd.SampledTeacher` and encode its rows."""
+    def _sampled_rows(self, sample_id, teacher, length: int, tokens) -> dict:
+        """Validate one sequence's :class:`~topkd.SampledTeacher` and encode its rows, and its
+        token ids (int32 ``[L]``) unless None."""
         if not isinstance(teacher, SampledTeacher):
             raise TypeError(f"the store {self.path} holds sampled rows: teacher must be a "
                             f"topkd.SampledTeacher (topkd.sample_teacher), got "
@@ -351,11 +366,17 @@ class TeacherStoreWriter:
         if not torch.equal(used, torch.arange(shape[1]) < lengths[:, None]):
             raise ValueError(f"sample {sample_id!r}: unused slots (count 0) must come after "
                              f"the used ones in each row, as sample_teacher makes them")
-        payload, width = row_codec.encode_counts(
+        if tokens is not None and tokens.numel() and (
+                int(tokens.min()) < 0 or int(tokens.max()) >= s["vocab_size"]):
+            raise ValueError(f"sample {sample_id!r}: token ids must lie in [0, vocab_size="
+                             f"{s['vocab_size']}) to be stored with sampled rows, got "
+                             f"{int(tokens.min())}..{int(tokens.max())}; use "
+                             f"store_tokens=False")
+        payload, width = row_codec.encode_sampled(
             indices.masked_select(used).numpy(), counts.masked_select(used).numpy(),
-            lengths.numpy(), s["vocab_size"], s["samples"])
-        return {"payload": torch.from_numpy(payload), "counts": lengths.to(torch.uint8),
-                "width": width}
+            lengths.numpy(), s["vocab_size"], s["samples"],
+            None if tokens is None else tokens.numpy())
+        return {"payload": torch.from_numpy(payload), "width": width}
 
     def _tokens(self, sample_id, input_ids) -> torch.Tensor:
         ids = torch.as_tensor(input_ids).cpu().to(torch.int64).reshape(-1)
@@ -376,15 +397,18 @@ class TeacherStoreWriter:
         parts = [p[2] for p in self._pending]
         v2 = self.settings["codec"] != "plain"
         sampled = self.settings["kind"] == "sampled"
-        tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0] if n != "width"}
-        rows = torch.tensor([0] + [len(p["counts"]) for p in parts]).cumsum(0)
+        tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0]
+                   if n not in ("width", "rows")}
+        rows = torch.tensor([0] + [p["rows"] for p in parts]).cumsum(0)
         first = "payload" if v2 else "indices"
         starts = torch.tensor([0] + [len(p[first]) for p in parts]).cumsum(0)
         if not sampled and bool((tensors["counts"] == self.settings["k"]).all()):
             del tensors["counts"]  # every row full: the counts say nothing
         crc_parts = (fmt.crc_parts_sampled if sampled else
                      fmt.crc_parts_v2 if v2 else fmt.crc_parts)
-        crcs = [fmt.crc(crc_parts(tensors, rows, starts, i)) for i in range(len(ids))]
+        version = self.manifest["format_version"]
+        crcs = [fmt.checksum(crc_parts(tensors, rows, starts, i), version)
+                for i in range(len(ids))]
         tensors["seq_rows"] = rows
         if v2:
             tensors["seq_bytes"] = starts
