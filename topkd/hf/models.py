@@ -60,9 +60,10 @@ def _fsdp1():
 
 def fused_head(model, role: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`head` for the fused losses, which use the head outside the model's forward: an
-    FSDP2 head (a DTensor sharded by rows) is returned as it is, the loss takes it; a head
-    that the loss cannot use (FSDP1's flattened parameters, a DeepSpeed ZeRO-3 partition) is
-    refused with a ValueError naming the ways out. ``role``: ``"student"`` or ``"teacher"``."""
+    FSDP2 head (a DTensor sharded by rows) and a DeepSpeed ZeRO-3 partitioned head are returned
+    as they are (the loss takes the first; the trainer gathers the second through
+    :mod:`topkd.hf.zero3`); FSDP1's flattened parameters are refused with a ValueError naming
+    the ways out. ``role``: ``"student"`` or ``"teacher"``."""
     fsdp1 = _fsdp1()
     if fsdp1 is not None and isinstance(model, torch.nn.Module) \
             and any(isinstance(m, fsdp1) for m in model.modules()):
@@ -72,21 +73,7 @@ def fused_head(model, role: str) -> tuple[torch.Tensor, torch.Tensor | None]:
             f"forward; the fused loss takes an FSDP2 head: shard with fully_shard (accelerate: "
             f"fsdp_version=2, i.e. fsdp_config={{'fsdp_version': 2}}), or use fused=False (the "
             f"models' own logits)")
-    weight, bias = head(model)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        if hasattr(p, "ds_id") or hasattr(p, "ds_status") or p.numel() == 0:
-            shape = tuple(getattr(p, "ds_shape", ()) or ())
-            raise ValueError(
-                f"the {role}'s LM head {name} is partitioned by DeepSpeed ZeRO-3 (a parameter "
-                f"with ds_id/ds_status, holding {p.numel()} of its {shape or 'whole'} values "
-                f"outside the model's forward): the fused loss uses the head outside the "
-                f"forward, and ZeRO-3 would neither gather it nor reduce its gradient. Use "
-                f"fused=False (the models' own logits), ZeRO stage 1 or 2, or FSDP2 "
-                f"(fully_shard / accelerate fsdp_version=2), whose sharded head the fused loss "
-                f"takes")
-    return weight, bias
+    return head(model)
 
 
 def logit_transform(model) -> tuple[float, float | None]:
@@ -188,8 +175,10 @@ class FinalHidden:
         would make the fused loss wrong)."""
         if self.checked:
             return
+        from .zero3 import gathered
+
         weight, bias = fused_head(model, "model")
-        with torch.no_grad():
+        with torch.no_grad(), gathered(weight, bias):  # (a ZeRO-3 head: whole for the check)
             theirs = logits.float()
             weight, bias, theirs, group = _own_rows(weight, bias, theirs)
             ours = transformed(F.linear(hidden[:, -1].float(), weight.float(),

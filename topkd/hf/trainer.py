@@ -27,9 +27,11 @@ from .models import (
     is_fsdp2,
     nonfinite_rows,
     rows,
+    unwrap,
     vocabulary,
 )
 from .packing import Layout, PackingCheck, learned
+from .zero3 import gathered, partitioned, through_head
 
 _SPARSE = ("indices", "logprobs", "rest_logprob")
 
@@ -128,8 +130,12 @@ class KDTrainer(Trainer):
     logit scale come from each model's config and are checked once against its real logits.
     Under FSDP2 (``fully_shard``; accelerate ``fsdp_version=2``) a head sharded by rows goes to
     the fused loss as the DTensor it is (``KDConfig.sharded_head``); a teacher already wrapped
-    by ``fully_shard`` on the same mesh is used as it is (the trainer does not wrap one). FSDP1
-    and DeepSpeed ZeRO-3 partitioned heads are refused (ValueError): use ``fused=False``.
+    by ``fully_shard`` on the same mesh is used as it is (the trainer does not wrap one). Under
+    DeepSpeed ZeRO-3 (``KDConfig(deepspeed=...)``) the student's loss runs as the forward of its
+    output-embedding module, so DeepSpeed's hooks gather the partitioned head for it and reduce
+    its gradient (:mod:`topkd.hf.zero3`); a ZeRO-3 teacher (the engine
+    ``deepspeed.initialize`` returns) has its head gathered for the loss. FSDP1 is refused
+    with the fused loss (ValueError): use FSDP2 or ``fused=False``.
 
     ``teacher_tokenizer``: when given (online) its fingerprint must equal the student's
     tokenizer's; a store's recorded fingerprint is checked likewise. The vocabulary is the
@@ -189,8 +195,10 @@ class KDTrainer(Trainer):
         # token ids every model embeds (a larger one is an IndexError deep in the model)
         self._id_limit = min(embedding_rows(m) for m in (self.model, teacher) if m is not None)
         if teacher is not None:
-            teacher.eval().requires_grad_(False)
-            if not is_fsdp2(teacher):  # (a fully_shard teacher is on its mesh's devices)
+            teacher.eval()  # (separately: a DeepSpeed engine's eval returns None)
+            teacher.requires_grad_(False)
+            # (a fully_shard or ZeRO-3 teacher is on its mesh's devices)
+            if not is_fsdp2(teacher) and not partitioned(head(teacher)[0]):
                 teacher.to(self.args.device)
             if _nonfinite_head(teacher):
                 raise NonFiniteError("the teacher's output embeddings (its LM head) hold NaN or "
@@ -297,12 +305,25 @@ class KDTrainer(Trainer):
                 student = model(input_ids=input_ids, attention_mask=attention,
                                 position_ids=positions, use_cache=False).logits[:, :-1][keep]
         options = self.options.replace(**changes)  # checked once per batch
-        result = distill_loss(student, teacher, options, labels=labels)
-        kl = None
-        if eval_kl:
-            with torch.no_grad():
-                kl = distill_loss(student, teacher, _full_kl(options)).kd
-        return _Parts(result.loss, result.kd, result.ce, int(keep.sum()), kl)
+
+        def losses(student):
+            result = distill_loss(student, teacher, options, labels=labels)
+            kl = None
+            if eval_kl:
+                with torch.no_grad():
+                    kl = distill_loss(student, teacher, _full_kl(options)).kd
+            return result.loss, (result.kd, result.ce, kl)
+
+        # a DeepSpeed ZeRO-3 teacher's head is gathered for the loss; a ZeRO-3 student's
+        # loss runs as its head's forward, so ZeRO-3 gathers the head and reduces its gradient
+        with gathered(*(teacher[1:] if isinstance(teacher, tuple) else ())):
+            if args.fused and partitioned(student[1]):
+                loss, (kd, ce, kl) = through_head(
+                    unwrap(model).get_output_embeddings(),
+                    lambda rows, weight, bias: losses((rows, weight, bias)), student[0])
+            else:
+                loss, (kd, ce, kl) = losses(student)
+        return _Parts(loss, kd, ce, int(keep.sum()), kl)
 
     def _stored(self, inputs, keep) -> SparseTeacher | SampledTeacher:
         """The batch's stored teacher rows at the learned tokens."""
@@ -417,17 +438,19 @@ class _Parts:
 
 def _nonfinite_head(teacher) -> bool:
     """Whether the teacher's head holds a NaN or an infinity (a sharded head: any rank's rows,
-    every rank answering alike)."""
+    every rank answering alike; a ZeRO-3 head: gathered whole for the check)."""
     from .. import sharded
 
     bad, group, device = False, None, None
-    for t in head(teacher):
-        if t is None:
-            continue
-        if sharded.is_dtensor(t):
-            group, t = t.device_mesh.get_group(), t.to_local()
-        device = t.device
-        bad = bad or (t.numel() > 0 and bool(nonfinite_rows(t.detach().reshape(1, -1)).any()))
+    with gathered(*head(teacher)):
+        for t in head(teacher):
+            if t is None:
+                continue
+            if sharded.is_dtensor(t):
+                group, t = t.device_mesh.get_group(), t.to_local()
+            device = t.device
+            bad = bad or (t.numel() > 0
+                          and bool(nonfinite_rows(t.detach().reshape(1, -1)).any()))
     if group is not None:
         flag = torch.tensor([float(bad)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
