@@ -433,6 +433,11 @@ def _add_distill(commands) -> None:
                    help="shard the student with FSDP2 (accelerate's plugin, fsdp_version 2: "
                    "each decoder layer and the root, resharded after forward); CUDA GPUs only, "
                    "launched with accelerate launch or torchrun")
+    p.add_argument("--deepspeed", metavar="CONFIG",
+                   help="train under DeepSpeed with this JSON config (TrainingArguments' "
+                   "deepspeed=; ZeRO stage 3 partitions the student, its LM head gathered "
+                   "for the fused loss); launched with deepspeed, accelerate launch or "
+                   "torchrun. Not with --fsdp")
     p.add_argument("--teacher-dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="the online teacher's weights (default bfloat16 with --bf16, else "
                    "float32; auto: the checkpoint's)")
@@ -508,7 +513,7 @@ def _distill(parser, args) -> int:
             epochs=1.0 if args.epochs is None else args.epochs, batch_size=args.batch_size,
             grad_accum=args.grad_accum, lr=args.lr, max_length=args.max_length,
             padding_free=args.padding_free, bf16=args.bf16, teacher_dtype=args.teacher_dtype,
-            fsdp=args.fsdp,
+            fsdp=args.fsdp, deepspeed=args.deepspeed,
             seed=args.seed,
             save_steps=args.save_steps, save_total_limit=args.save_total_limit or None,
             logging_steps=args.logging_steps, eval_steps=args.eval_steps, resume=args.resume,

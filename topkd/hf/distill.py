@@ -40,7 +40,7 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
             seed: int = 42, save_steps: int = 500, save_total_limit: int | None = 2,
             logging_steps: int = 10, eval_steps: int | None = None, resume: bool = False,
             text_field: str = "text", id_field: str = "id", ids_field: str = "input_ids",
-            progress: bool = True, fsdp: bool = False) -> dict:
+            progress: bool = True, fsdp: bool = False, deepspeed: str | None = None) -> dict:
     """Distill ``teacher`` (a model directory) or a teacher ``store`` into ``student`` (a model
     directory) over ``data``, and save the student to ``out``.
 
@@ -83,6 +83,10 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         progress: the Trainer's progress bars.
         fsdp: shard the student with FSDP2 through accelerate's plugin
             (:func:`fsdp_settings`); CUDA GPUs only (a ValueError without them).
+        deepspeed: a DeepSpeed config (a JSON file) for the Trainer
+            (``TrainingArguments(deepspeed=...)``, :func:`deepspeed_settings`); under ZeRO
+            stage 3 the student is partitioned when training starts and the fused loss
+            gathers its head through DeepSpeed's hooks. Not with ``fsdp``.
 
     Under ``torchrun`` every rank calls this; the Trainer shards the batches (DDP, NCCL on
     CUDA, gloo on CPU). Returns a summary: ``steps``, ``epochs``, ``kd`` (the last logged KD
@@ -99,6 +103,13 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
     for name, path in (("data", data), ("eval_data", eval_data)):
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"{name} file {os.fspath(path)!r} does not exist")
+    if fsdp and deepspeed is not None:
+        raise ValueError(f"fsdp=True (--fsdp) and deepspeed={os.fspath(deepspeed)!r} "
+                         f"(--deepspeed) both shard the student: choose one")
+    deepspeed_config = None if deepspeed is None else deepspeed_settings(deepspeed)
+    if deepspeed is not None and "LOCAL_RANK" not in os.environ:
+        raise ValueError("deepspeed (--deepspeed) needs a distributed launcher, even for one "
+                         "process: torchrun --nproc-per-node N, deepspeed or accelerate launch")
     if fsdp and not torch.cuda.is_available():
         raise ValueError("fsdp=True (--fsdp) needs CUDA GPUs: accelerate runs FSDP on GPUs only "
                          "(on CPU the Trainer would fall back to DDP); leave it out to run DDP")
@@ -159,7 +170,9 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         "seed": seed, "world_size": world, "text_field": text_field, "id_field": id_field,
         "ids_field": ids_field, "save_steps": save_steps, "save_total_limit": save_total_limit,
         "logging_steps": logging_steps, "eval_steps": eval_steps, "progress": bool(progress),
-        **({"fsdp": True} if fsdp else {})}  # (absent when off: older runs still resume)
+        # (absent when off: older runs still resume)
+        **({"fsdp": True} if fsdp else {}),
+        **({"deepspeed": deepspeed_config} if deepspeed is not None else {})}
     checkpoint = _resume_point(out, settings, resume)
 
     from transformers import AutoModelForCausalLM
@@ -214,7 +227,8 @@ def distill(student, data, out, *, teacher=None, store=None, eval_data=None, k: 
         # does not see a distributed run (no DDP, the ranks train apart)
         use_cpu=not torch.cuda.is_available(),
         ddp_backend="gloo" if world > 1 and not torch.cuda.is_available() else None,
-        **(fsdp_settings(model) if fsdp else {}))
+        **(fsdp_settings(model) if fsdp else {}),
+        **({"deepspeed": deepspeed_config} if deepspeed is not None else {}))
     source = {"store": opened} if store is not None else {
         "teacher": teacher_model, "teacher_tokenizer": teacher_tokenizer}
     trainer = KDTrainer(model=model, args=config, train_dataset=train, eval_dataset=evaluation,
@@ -261,6 +275,36 @@ def fsdp_settings(model) -> dict:
                             "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                             "transformer_layer_cls_to_wrap": layers,
                             "state_dict_type": "FULL_STATE_DICT"}}
+
+
+def deepspeed_settings(path) -> dict:
+    """The DeepSpeed config in the JSON file ``path``, for ``TrainingArguments(deepspeed=...)``
+    (its ``"auto"`` values are the Trainer's settings). Under ZeRO stage 3,
+    ``stage3_gather_16bit_weights_on_model_save`` defaults to true, so the student saved at
+    the end is whole (a config that sets it false keeps that: only DeepSpeed's partitioned
+    checkpoint is then written). A ValueError names a missing or malformed file, an
+    ImportError a missing deepspeed."""
+    import importlib.util
+    import json
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"deepspeed config {path!r} (--deepspeed) is not a file")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"deepspeed config {path!r} (--deepspeed) is not JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"deepspeed config {path!r} (--deepspeed) holds a "
+                         f"{type(config).__name__}, not a JSON object")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ImportError("--deepspeed needs deepspeed: pip install 'topkd[deepspeed]'")
+    zero = config.get("zero_optimization") or {}
+    if isinstance(zero, dict) and zero.get("stage") == 3:
+        config = {**config, "zero_optimization": {
+            "stage3_gather_16bit_weights_on_model_save": True, **zero}}
+    return config
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -484,4 +528,5 @@ def _write_json(path: str, value: dict) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["SETTINGS_FILE", "distill", "fsdp_settings", "last_checkpoint", "summary_lines"]
+__all__ = ["SETTINGS_FILE", "deepspeed_settings", "distill", "fsdp_settings", "last_checkpoint",
+           "summary_lines"]
