@@ -10,6 +10,9 @@ to DDP), so the wrapping is done here, and the steps are driven by hand: collate
 items, count the step's learned tokens over the ranks (``_get_num_items_in_batch``), one
 ``training_step``, one SGD step. The reference runs every rank's batch in one process through
 the same ``training_step`` with the same global count, gradients accumulating, then one step.
+Students: full fine-tuning (tied or not), a peft LoRA student (its head frozen: the loss gives
+it no gradient) and one under gradient checkpointing (each layer recomputed in backward). The
+ZeRO-3 cases (zero3_trainer_worker) run last in the same ranks.
 """
 
 from __future__ import annotations
@@ -41,13 +44,32 @@ CASES = {
         (dict(tie_word_embeddings=True), False, dict(sharded_head="gather")),
     "tied, sharded teacher, top-k":
         (dict(tie_word_embeddings=True), True, dict(k=8)),
+    "lora, sharded teacher":
+        (dict(tie_word_embeddings=False), True, dict(ce_weight=0.5)),
+    "tied, checkpointing, sharded teacher":
+        (dict(tie_word_embeddings=True), True, {}),
 }
+
+
+def lora(model):
+    """A peft LoRA student (adapters on q_proj and v_proj, random B so every adapter moves
+    from the first step): the LM head and everything else frozen."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
 
 
 def models(case):
     student_config, _, _ = CASES[case]
-    return (hf_worker.student(vocab_size=V, **student_config),
-            hf_worker.teacher(vocab_size=V))
+    student = hf_worker.student(vocab_size=V, **student_config)
+    if case.startswith("lora"):
+        student = lora(student)
+    if "checkpointing" in case:  # (transformers' default: non-reentrant torch checkpoint)
+        enable = getattr(student, "activation_checkpointing_enable", None)
+        (enable or student.gradient_checkpointing_enable)()
+    return student, hf_worker.teacher(vocab_size=V)
 
 
 def batches(step: int, world: int) -> list[list[dict]]:
@@ -109,10 +131,16 @@ class HeadSpy:
 def shard(model, reshard_root: bool = True):
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    for layer in shard_layers(model):
         fully_shard(layer)
     fully_shard(model, reshard_after_forward=reshard_root)
     return model
+
+
+def shard_layers(model):
+    from topkd.hf.models import unwrap
+
+    return unwrap(model).model.layers
 
 
 def run_case(case, rank, world, result_dir, failures):
@@ -127,13 +155,26 @@ def run_case(case, rank, world, result_dir, failures):
         shard(teacher)
     trainer = trainer_for(case, model, teacher, os.path.join(result_dir, f"out{rank}"))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    # the first layer's attention runs twice per step under checkpointing (its recomputation
+    # calls the layer's forward, which calls the attention module)
+    calls = []
+    hook = shard_layers(model)[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
     with HeadSpy(trainer_module) as spy:
         for step in range(STEPS):
             batch = trainer._prepare_inputs(trainer.data_collator(batches(step, world)[rank]))
             count = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
             trainer.training_step(model, batch, count)
+            graded = [n for n, p in model.named_parameters() if n in frozen and p.grad is not None]
+            if graded:
+                failures.append(f"{case}: frozen parameters got a gradient: {graded}")
             opt.step()
             opt.zero_grad()
+    hook.remove()
+    forwards = 2 if "checkpointing" in case else 1
+    if len(calls) != forwards * STEPS:
+        failures.append(f"{case}: the first attention ran {len(calls)} times in {STEPS} steps, "
+                        f"expected {forwards * STEPS}")
     expected = (True, wrap_teacher)
     if spy.seen != [expected] * STEPS:
         failures.append(f"{case}: the heads at the loss were DTensors {spy.seen}, expected "
@@ -183,6 +224,10 @@ def worker(rank, world, plan, result_dir):
             try:
                 if case == "fsdp1":
                     run_fsdp1(rank, world, result_dir, failures)
+                elif case.startswith("zero3"):  # (last: DeepSpeed's engines stay set up)
+                    import zero3_trainer_worker
+
+                    zero3_trainer_worker.run_case(case, rank, world, result_dir, failures)
                 else:
                     run_case(case, rank, world, result_dir, failures)
             except Exception:  # noqa: BLE001
