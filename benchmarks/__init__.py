@@ -10,7 +10,9 @@ harness (:mod:`~benchmarks.harness`: every case in its own fresh, memory-capped 
 profiler peak memory, timing, saved results), and their float64 reference is the test
 suite's, ``tests/reference.py`` (one reference in the repository), imported as
 ``reference`` once this package has put ``tests/`` on ``sys.path``. ``benchmarks/gpu.sh``
-runs the core, fused and Megatron sections and the CUDA tests on one GPU (``--device cuda``).
+runs the core, fused and Megatron sections and the CUDA tests on one GPU (``--device cuda``);
+``benchmarks/gpu_trainer.sh`` runs ``topkd distill`` under DDP, FSDP2 and DeepSpeed ZeRO-3
+(its Python side: :mod:`~benchmarks.sharded_trainer`).
 """
 
 import os
