@@ -339,14 +339,20 @@ def sampled_tokens(payload: np.ndarray, rows: int, vocab_size: int) -> np.ndarra
                           columns=True).astype(np.int64)
 
 
+def _counts_span(rows: int, vocab_size: int, samples: int, tokens: bool) -> tuple[int, int]:
+    """Where a format-3 sampled sequence's counts section starts and ends in its payload
+    (after the token ids, when it holds them)."""
+    at = bitpack.padded_bytes(rows, token_bits(vocab_size)) if tokens else 0
+    return at, at + _section_bytes(rows * (samples - 1))
+
+
 def decode_sampled(payload: np.ndarray, low: int, rows: int, vocab_size: int, samples: int,
                    tokens: bool):
     """Decode one sequence of :func:`encode_sampled` (``tokens``: whether it holds the token
     ids, which are skipped: :func:`sampled_tokens` reads them): ``(indices int64 [R, samples],
     counts int32 [R, samples])``, each row's ids ascending, then unused slots ``-1`` / 0.
     Raises ValueError when the payload does not hold what its sections say."""
-    at = bitpack.padded_bytes(rows, token_bits(vocab_size)) if tokens else 0
-    end = at + _section_bytes(rows * (samples - 1))
+    at, end = _counts_span(rows, vocab_size, samples, tokens)
     if low > 31 or end > len(payload):
         raise ValueError(f"low bits {low} or a payload of {len(payload)} bytes too short for "
                          f"{rows} rows")
@@ -382,9 +388,8 @@ def sampled_entries(payload: np.ndarray, rows: int, vocab_size: int, samples: in
                     tokens: bool) -> int:
     """How many ids a format-3 sampled sequence holds (its rows plus the ones of its counts
     section)."""
-    at = bitpack.padded_bytes(rows, token_bits(vocab_size)) if tokens else 0
-    bits = np.unpackbits(payload[at:at + _section_bytes(rows * (samples - 1))],
-                         count=rows * (samples - 1), bitorder="little")
+    at, end = _counts_span(rows, vocab_size, samples, tokens)
+    bits = np.unpackbits(payload[at:end], count=rows * (samples - 1), bitorder="little")
     return rows + int(bits.sum())
 
 
