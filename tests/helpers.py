@@ -67,6 +67,22 @@ def logits(*shape, scale=2.0, dtype=torch.float32, seed=None):
     return x.to(dtype)
 
 
+def misled_rows_(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Make rows 1, 3 and 5 of float32 teacher logits ``t`` ``[n >= 6, V]`` ones whose strided
+    sample misleads the sampled top-``k`` selection (``topkd.topk.sampled_plan``): a constant
+    row (every entry ties the threshold: too many candidates), a row whose sampled columns
+    hold its largest values (too few), a row of -inf but for a few entries. In place."""
+    from topkd import topk
+
+    v = t.shape[1]
+    stride = topk.sampled_plan(v, k + 1)[0]
+    t[1] = 0.25
+    t[3, ::stride] = 60 - 0.25 * torch.arange(t[3, ::stride].numel(), dtype=t.dtype)
+    t[5, :] = float("-inf")
+    t[5, 7:v // 2:9] = torch.linspace(-2, 2, len(range(7, v // 2, 9)), dtype=t.dtype)
+    return t
+
+
 def run(fn, student, *args, grad_output=None, **kwargs):
     """Call a topkd loss on a fresh leaf copy of ``student``; return (loss, grad)."""
     s = student.detach().clone().requires_grad_(True)

@@ -229,11 +229,12 @@ class SparsePath:
             grad_norm = grad_norm + g_ce
         return grad_sel, grad_norm, grad_rest
 
-    def gradient(self, state, stats, g_kd, g_ce, dtype):
-        """The chunk's ``d loss / d (logits)`` (in ``dtype``, the sink's, or float32)."""
+    def gradient(self, state, stats, g_kd, g_ce, dtype, out=None):
+        """The chunk's ``d loss / d (logits)`` (in ``dtype``, the sink's, or float32), in
+        ``out`` (the sink's rows) where the backend writes there."""
         return self.backend.sparse_gradient(self.cfg, state, stats,
                                             self._upstream(stats, g_kd, g_ce),
-                                            self.labels.upstream(g_ce), dtype)
+                                            self.labels.upstream(g_ce), dtype, out)
 
 
 def _renormalize(logp: torch.Tensor) -> torch.Tensor:
@@ -296,11 +297,11 @@ class DensePath:
                                           self.labels.columns(start, stop),
                                           stats["row_max"], stats["row_sum"])
 
-    def gradient(self, state, stats, g_kd, g_ce, dtype):
+    def gradient(self, state, stats, g_kd, g_ce, dtype, out=None):
         labels = self.labels
         return self.backend.dense_gradient(self.cfg, state, stats, g_kd,
                                            labels.folded_upstream(g_kd, g_ce),
-                                           labels.upstream(g_ce), dtype)
+                                           labels.upstream(g_ce), dtype, out)
 
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -326,7 +327,8 @@ def sweep_forward(path, count: int, per: int, sink=None, weights=None):
         if sink is not None:
             path.values(stats, start, stop)
             w_kd, w_ce = weights[0][start:stop], weights[1][start:stop]
-            grad = path.gradient(state, stats, w_kd, w_ce, sink.chunk_dtype)
+            grad = path.gradient(state, stats, w_kd, w_ce, sink.chunk_dtype,
+                                 sink.destination(start, stop))
             sink.add(start, stop, grad, path.cfg.valid)
             stats = {key: stats[key] for key in ("kd", "ce") if key in stats}
             del grad
@@ -345,7 +347,8 @@ def sweep_backward(path, count: int, per: int, stats: dict, g_kd, g_ce, sink) ->
     for start, stop in row_chunks(count, per):
         part = _slice_stats(stats, start, stop)
         state = path.refresh(start, stop, part)
-        grad = path.gradient(state, part, g_kd[start:stop], g_ce[start:stop], sink.chunk_dtype)
+        grad = path.gradient(state, part, g_kd[start:stop], g_ce[start:stop], sink.chunk_dtype,
+                             sink.destination(start, stop))
         sink.add(start, stop, grad, path.cfg.valid)
         del state, grad  # free this chunk's buffers before the next is made
     sink.finish(path.cfg.valid)

@@ -21,9 +21,12 @@ def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def widen(low: torch.Tensor, spare: int = 0) -> torch.Tensor:
-    """``low`` copied into a new float32 buffer with ``spare`` extra (uninitialized) columns."""
-    out = torch.empty(low.shape[0], low.shape[1] + spare, dtype=torch.float32, device=low.device)
+def widen(low: torch.Tensor, spare: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``low`` copied into a float32 buffer (``out``, or a new one) with ``spare`` extra
+    (uninitialized) columns."""
+    if out is None:
+        out = torch.empty(low.shape[0], low.shape[1] + spare, dtype=torch.float32,
+                          device=low.device)
     out[:, :low.shape[1]].copy_(low)
     return out
 
@@ -48,11 +51,12 @@ def logits_grad_(grad: torch.Tensor, low: torch.Tensor, logit_scale: float,
 
 
 def read(low: torch.Tensor, temperature: float, logit_scale: float = 1.0, softcap=None,
-         spare: int = 0, label_columns: torch.Tensor | None = None):
+         spare: int = 0, label_columns: torch.Tensor | None = None, out=None):
     """``(a, z_label)``: the float32 buffer ``a = logits / T`` of a chunk (``spare`` extra
-    columns, set to -inf) and, with ``label_columns`` ``[r]``, each row's logit at its label
-    column at temperature 1 (-inf where the column is the spare one)."""
-    a = logits_(widen(low, spare), logit_scale, softcap)
+    columns, set to -inf; in ``out`` when given) and, with ``label_columns`` ``[r]``, each
+    row's logit at its label column at temperature 1 (-inf where the column is the spare
+    one)."""
+    a = logits_(widen(low, spare, out), logit_scale, softcap)
     if spare:
         a[:, low.shape[1]:] = NEG_INF
     label = None if label_columns is None else a.gather(1, label_columns[:, None])[:, 0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, backends, memory, parallel
-from .sources import LogitsSource
+from .sources import LogitsSource, Scratch
 from .teacher import SparseTeacher
 from .topk import NO_INDEX, canonical_order
 
@@ -32,11 +32,22 @@ def _local_candidates(source, k: int, temperature: float, valid: int, chunk_byte
     if valid == 0:
         return values, indices, rest_max, rest_logsum
     per = memory.select_rows(chunk_bytes, n, valid, source.element_size, fused, backend)
+    done = torch.empty(n, dtype=torch.bool, device=device)
+    options = (k_local, temperature, logit_scale, softcap, Scratch())
     for start, stop in memory.row_chunks(n, per):
         low = source.low_chunk(start, stop, valid)
         (values[start:stop], indices[start:stop], rest_max[start:stop],
-         rest_logsum[start:stop]) = backend.select(low, k_local, temperature, logit_scale,
-                                                   softcap)
+         rest_logsum[start:stop], done[start:stop]) = backend.select(low, *options)
+    # Rows whose sample misled (rare; which ones depends on each row alone): one host sync
+    # for the whole call, then the exact selection of those rows, chunk by chunk.
+    again = (~done).nonzero()[:, 0].tolist()
+    for start, stop in memory.row_chunks(n, per) if again else ():
+        rows = [row for row in again if start <= row < stop]
+        if rows:
+            low = source.low_chunk(start, stop, valid)[[row - start for row in rows]]
+            rows = torch.tensor(rows, device=device)
+            (values[rows], indices[rows], rest_max[rows],
+             rest_logsum[rows]) = backend.select_exact(low, *options)
     return values, indices, rest_max, rest_logsum
 
 

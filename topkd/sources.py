@@ -59,11 +59,17 @@ class LogitsGradient:
         self.chunk_dtype = self.grad.dtype  # what a gradient chunk may come in: no loss
         self._flat = self.grad.view(source.count, source.width)
 
+    def destination(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the gradient, for a backend to write a chunk into."""
+        return self._flat[start:stop]
+
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
-        """Set rows ``[start, stop)`` from ``grad_chunk``; columns at or past
-        ``columns`` (vocabulary padding) get zero."""
-        self._flat[start:stop, :columns].copy_(grad_chunk[:, :columns])
-        self._flat[start:stop, columns:] = 0
+        """Set rows ``[start, stop)`` from ``grad_chunk`` (nothing to copy when it was written
+        there); columns at or past ``columns`` (vocabulary padding) get zero."""
+        rows = self._flat[start:stop]
+        if grad_chunk.data_ptr() != rows.data_ptr() or grad_chunk.stride() != rows.stride():
+            rows[:, :columns].copy_(grad_chunk[:, :columns])
+        rows[:, columns:] = 0
 
     def finish(self, columns: int) -> None:
         """After the chunk loop, which skips a shard with no real columns."""
@@ -151,6 +157,30 @@ class Storage:
         return self.flat.numel() // max(columns, 1)
 
 
+class Scratch:
+    """Work buffers reused by name across one call's chunks (a fresh buffer of tens of MiB
+    costs its page faults on every chunk on a CPU: above 32 MiB glibc maps and unmaps each
+    one). A backend stage that takes one may use it; None means fresh buffers."""
+
+    def __init__(self):
+        self._storage: dict[str, Storage] = {}
+
+    def empty(self, name: str, rows: int, columns: int, dtype: torch.dtype,
+              device) -> torch.Tensor:
+        storage = self._storage.get(name)
+        if storage is None or storage.dtype != dtype:
+            storage = self._storage[name] = Storage(dtype, device)
+        return storage.view(rows, columns)
+
+
+def empty(scratch: Scratch | None, name: str, rows: int, columns: int, dtype: torch.dtype,
+          device) -> torch.Tensor:
+    """``scratch``'s buffer ``name``, or a new tensor without one."""
+    if scratch is None:
+        return torch.empty(rows, columns, dtype=dtype, device=device)
+    return scratch.empty(name, rows, columns, dtype, device)
+
+
 class BlockedSource:
     """A row source whose logits are made ``block_rows`` rows at a time and then read in
     smaller chunks: the matrix product of a fused LM head runs far faster over ~100+ rows than
@@ -233,6 +263,11 @@ class LinearGradient:
                 self._stage.view(min(stage_rows, source.count), w.shape[0])
         self._staged = (0, 0)  # rows [first, first + count) are in the stage
         self._columns = w.shape[0]
+
+    def destination(self, start: int, stop: int) -> None:
+        """None: a chunk's gradient is staged (or multiplied out) by :meth:`add`, and a stage
+        shared with :class:`BlockedSource` holds the very logits being read."""
+        return None
 
     def add(self, start: int, stop: int, grad_chunk: torch.Tensor, columns: int) -> None:
         """Add the contribution of logits gradient rows ``[start, stop)`` (columns at

@@ -1,59 +1,148 @@
 """One chunk's top-K in the selection's canonical order (value descending, ties to the lower
 index), so a selection depends on the row alone: never on chunk size, thread count or
-tensor-parallel layout. Plain functions of float32 ``[r, W]`` chunks; no collectives.
+tensor-parallel layout. Plain functions of ``[r, W]`` chunks; no collectives.
+
+Two ways, each exact (the same entries, values and order):
+
+- :func:`sampled_top`, where ``k`` is small next to the row: a threshold per row from a
+  strided sample, one pass that counts the entries at or above it and sums the exponentials
+  of those below, the entries above gathered without a host sync, and a sort of about 1.3 k
+  candidates. A row where the sample misleads is marked not done (the caller runs the exact
+  way on it); whether a row is done depends on the row alone.
+- :func:`candidates_`, on a float32 buffer: ``torch.topk`` with the tied K-th values
+  refilled, then the rest's log-sum-exp over the buffer.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 # Indices must stay below this for the packed sort key; it also marks a padding candidate (a rank
 # whose shard is narrower than K), which the tie rule then ranks after every real entry.
 NO_INDEX = 2**31 - 1
+# The sort key of a padding candidate (-inf, NO_INDEX): below every real entry's.
+_PAD_KEY = (-(2**23) ^ 0x7FFFFFFF) << 32
+
+
+def sort_keys(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Int64 keys whose descending order is the canonical one: the float32 value's bits mapped
+    to an order-preserving int32 in the high half, ``NO_INDEX - index`` in the low half."""
+    bits = (values + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0, which compare equal
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    return (ordered << 32) | (NO_INDEX - indices)
+
+
+def from_keys(keys: torch.Tensor):
+    """``(values, indices)`` of :func:`sort_keys`' keys (a -0.0 comes back as +0.0)."""
+    ordered = (keys >> 32).int()
+    bits = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return bits.view(torch.float32), NO_INDEX - (keys & 0xFFFFFFFF)
 
 
 def canonical_order(values: torch.Tensor, indices: torch.Tensor):
-    """Sort each row by value descending, ties by index ascending (the selection's order).
-
-    One sort of an int64 key: the float32 value's bits mapped to an order-preserving int32 in
-    the high half, ``NO_INDEX - index`` in the low half.
-    """
-    bits = (values + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0, which compare equal
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
-    order = ((ordered << 32) | (NO_INDEX - indices)).argsort(dim=-1, descending=True)
+    """Sort each row by value descending, ties by index ascending (the selection's order):
+    one sort of :func:`sort_keys`."""
+    order = sort_keys(values, indices).argsort(dim=-1, descending=True)
     return values.gather(-1, order), indices.gather(-1, order)
 
 
 def topk_lowest_index(b: torch.Tensor, k: int):
     """Top-``k`` of each row of ``b`` (float32 ``[r, V]``) in canonical order: value
     descending, ties (the K-th value's included) to the lower index, so the result depends on
-    the row alone.
-
-    When ``k`` is small next to the row, a threshold from a strided sample of the row cuts it to
-    about 1.25 k candidates, which hold every entry at or above the K-th value (checked by their
-    count); sorting those is the whole selection, ties included. Chunks where the sample misleads
-    take the exact path instead.
-    """
-    n, width = b.shape
+    the row alone."""
+    width = b.shape[1]
     if k >= width:
         return canonical_order(b, torch.arange(width, device=b.device).expand_as(b))
-    stride = min(16, width // (8 * k))
+    return _topk_ties_fixed(b, k)
+
+
+# ---- the sampled selection --------------------------------------------------------------------
+
+
+def sampled_plan(width: int, k: int):
+    """``(stride, keep, capacity)`` of :func:`sampled_top` for the top ``k`` of ``width``
+    columns, or None where ``k`` is too large next to the row for a sample to pay.
+
+    The threshold is the ``keep``-th largest of every ``stride``-th column, so about ``stride
+    * keep`` = 1.25 ``k`` (+ 16 strides) entries lie at or above it, give or take ``stride *
+    sqrt(keep)`` where the sample is like the row; ``capacity`` candidate slots per row hold
+    8 of those more, so a row falls short or overflows only where its sample is far off.
+    """
+    stride = min(16, width // (4 * k))
     if stride < 2:
-        return _topk_ties_fixed(b, k)
-    sample = b[:, ::stride]
-    keep = min(sample.shape[1], -(-k // stride) * 5 // 4 + 16)
-    threshold = torch.topk(sample, keep, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    row, col = (b >= threshold).nonzero(as_tuple=True)
-    count, position = _count_and_rank(row, n)
-    if not bool(((count >= k) & (count <= 4 * k)).all()):
-        return _topk_ties_fixed(b, k)
-    columns = int(count.max())
-    values = b.new_full((n, columns), float("-inf"))
-    indices = torch.full((n, columns), NO_INDEX, dtype=torch.int64, device=b.device)
-    values[row, position] = b[row, col]
-    indices[row, position] = col
-    values, indices = canonical_order(values, indices)
-    return values[:, :k], indices[:, :k]
+        return None
+    keep = min(-(-width // stride), -(-k // stride) * 5 // 4 + 16)
+    return stride, keep, stride * (keep + 8 * math.isqrt(keep) + 8)
+
+
+def sampled_top(low: torch.Tensor, k: int, plan, kernels):
+    """The top ``k - 1`` of each row of the chunk ``low`` ``[r, W]`` in canonical order and the
+    rest's log-sum-exp, from a sampled threshold: ``(values [r, k-1], indices [r, k-1], rest
+    max [r], rest log-sum [r], done [r] bool)``, each row's exact where ``done`` (its ``k``-th
+    entry is the rest's maximum).
+
+    ``kernels`` (a backend's) turns the chunk into its values ``b`` (``z / T``) as it goes:
+
+    - ``threshold(low, stride, keep)``: per row, the ``keep``-th largest ``b`` of the
+      ``stride``-th columns (float32 ``[r]``);
+    - ``scan(low, threshold, capacity)``: ``(columns, below)``: :func:`compact` of the entries
+      ``b >= threshold``, and a callable giving each row's ``sum exp(b - threshold)`` over the
+      entries below it (it may consume ``low``, so it runs last);
+    - ``values_at(low, columns)``: float32 ``b`` at ``columns`` ``[r, c]``.
+
+    A row is done when it has between ``k`` and ``capacity`` candidates: they then hold its
+    top ``k``, ties included. The rest (everything but the top ``k - 1``) is summed as its
+    candidates from the ``k``-th on plus the entries below the threshold, rescaled from the
+    threshold to the rest's maximum (at most 1): no scatter into the chunk, no second pass.
+    """
+    stride, keep, capacity = plan
+    threshold = kernels.threshold(low, stride, keep)
+    columns, below = kernels.scan(low, threshold, capacity)
+    found = columns >= 0
+    count = found.sum(-1)
+    columns = columns.clamp_min(0)
+    keys = torch.where(found, sort_keys(kernels.values_at(low, columns), columns), _PAD_KEY)
+    del columns, found
+    top = keys.topk(k, dim=-1, sorted=True).values  # padding sorts after every real entry
+    values, indices = from_keys(top)
+    rest_max = values[:, k - 1].contiguous()
+    center = torch.where(torch.isfinite(rest_max), rest_max, 0.0)
+    candidates, _ = from_keys(keys)
+    rest = torch.where(keys <= top[:, k - 1:], torch.exp(candidates - center[:, None]), 0.0)
+    scale = torch.exp(threshold - center)
+    rest_logsum = torch.log(rest.sum(-1) + scale * below())
+    done = (count >= k) & (count <= capacity)
+    return values[:, :k - 1], indices[:, :k - 1], rest_max, rest_logsum, done
+
+
+def compact(above: torch.Tensor, capacity: int, sync_free: bool | None = None) -> torch.Tensor:
+    """Int64 ``[r, capacity + 1]``: each row's first ``capacity + 1`` columns where ``above``
+    (bool ``[r, W]``) is True, ascending, -1 padded (a full row has more than
+    ``capacity``). ``above`` may be consumed.
+
+    ``sync_free`` (by default: off a CPU) finds them without a host sync, by one
+    ``nonzero_static`` of at most ``capacity`` entries per row, where a row with more is left
+    out (all -1), so that it crowds out none of the rows after it; else by one ``nonzero``,
+    faster on a CPU, where the sync costs nothing."""
+    rows, width = above.shape
+    if not (above.device.type != "cpu" if sync_free is None else sync_free):
+        flat = above.view(-1).nonzero()[:, 0]
+        count = torch.bincount(flat // width, minlength=rows)
+    else:
+        count = above.sum(-1)
+        count = torch.where(count <= capacity, count, 0)
+        above &= (count > 0)[:, None]
+        flat = torch.nonzero_static(above.view(-1), size=rows * capacity, fill_value=-1)[:, 0]
+    found = flat >= 0
+    row = torch.where(found, flat // width, rows)  # the spare row ``rows`` takes the padding
+    start = torch.cumsum(count, 0) - count
+    rank = torch.arange(flat.shape[0], device=flat.device) - start[row.clamp_max(rows - 1)]
+    rank = torch.where(found, rank, 0).clamp_max(capacity + 1)  # the spare column: past the
+    out = torch.full((rows + 1, capacity + 2), -1, dtype=torch.int64, device=flat.device)
+    out.index_put_((row, rank), flat - row * width)
+    return out[:rows, :capacity + 1]
 
 
 def _count_and_rank(row: torch.Tensor, rows: int):

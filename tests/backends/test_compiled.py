@@ -47,10 +47,12 @@ Fused student head (the logits made per block, the gradients of hidden, weight a
 Fused teacher head (the teacher's logits per block; its selection with a teacher scale and
 softcap): ``fused_topk-pair_bias-teacher_softcap-top_p``, ``fused_topk-pair_bias-T2*``
   (the one-pass loss selects per chunk), ``fused_kl-pair-*``
-Top-K selection (``read`` / ``log_sum_exp``): every ``topk*`` and ``fused_topk*`` case, and
+Top-K selection (the sampled one, ``sample_threshold`` / ``threshold_scan`` / ``transformed``,
+where K is small next to the row; the exact one, ``read`` / ``log_sum_exp``, elsewhere and for
+rows the sample misleads): every ``topk*`` and ``fused_topk*`` case, and
 ``test_select_compiled`` (K = 1 / K < V / K = V, T != 1, top-p with ``top_p_min_k``, bf16 and
-fp16 ties, a peaky teacher's exact ghost, -inf entries, vocabulary padding) against eager and
-the float64 reference
+fp16 ties, a peaky teacher's exact ghost, -inf entries, vocabulary padding, rows the sample
+misleads among others in ``top_p-tiny-misled``) against eager and the float64 reference
 One row per kernel call (run as two), chunks of every height: ``test_no_recompiles_*``,
 ``test_compiled_chunk_bytes_change_no_bit``
 
@@ -68,7 +70,7 @@ import warnings
 import pytest
 import reference as ref
 import torch
-from helpers import assert_teacher_matches, kd_inputs, leaves
+from helpers import assert_teacher_matches, kd_inputs, leaves, misled_rows_
 from torch._dynamo.utils import counters
 
 import topkd
@@ -283,7 +285,7 @@ SELECT_CASES = {
     "k300-T2": (F32, 15, 600, 300, dict(temperature=2.0), None),
     "kV": (F32, 15, 600, 600, {}, None),
     "top_p-min_k": (F32, 16, 600, 40, dict(top_p=0.3, top_p_min_k=6), None),
-    "top_p-tiny": (F32, 16, 600, 40, dict(top_p=1e-6, top_p_min_k=4), None),
+    "top_p-tiny-misled": (F32, 16, 600, 40, dict(top_p=1e-6, top_p_min_k=4), "misled"),
     "bf16-ties-top_p": (BF16, 12, 300, 64, dict(top_p=0.7, top_p_min_k=2), None),
     "fp16-ties-top_p": (F16, 12, 300, 64, dict(top_p=0.7, top_p_min_k=2), None),
     "peaky": (F32, 8, 1000, 16, {}, "peaky"),
@@ -302,7 +304,9 @@ def _select_teacher(dtype, rows, width, transform):
     if dtype != F32:  # many exact ties
         return (torch.randn(rows, width, generator=g) * 2).to(dtype)
     t = torch.randn(rows, width, generator=g) * 3
-    if transform == "neg_inf":
+    if transform == "misled":  # rows the sampled selection leaves to the exact one
+        misled_rows_(t, 40)
+    elif transform == "neg_inf":
         t[:, 20:] = NEG_INF
         t[0, :] = NEG_INF
         t[0, 3] = 1.0
@@ -454,7 +458,8 @@ def no_compiler(monkeypatch):
 def _forbid_compiled(monkeypatch):
     """Make every compiled kernel raise, so a call that uses one fails."""
     for name in ("sparse_statistics", "sparse_gradient", "dense_statistics", "dense_terms",
-                 "dense_gradient", "read", "log_sum_exp", "accumulate_"):
+                 "dense_gradient", "read", "log_sum_exp", "sample_threshold", "threshold_scan",
+                 "transformed", "accumulate_"):
         def boom(*args, _name=name, **kwargs):
             raise AssertionError(f"compiled kernel {_name} ran")
 

@@ -3,9 +3,11 @@
 import pytest
 import reference as ref
 import torch
-from helpers import assert_teacher_matches, logits
+from helpers import assert_teacher_matches, logits, misled_rows_
 
 import topkd
+import topkd.backends
+from topkd import topk
 
 V = 600
 
@@ -152,3 +154,38 @@ def test_select_offset_invariant():
     assert torch.equal(a.indices, b.indices)
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
     torch.testing.assert_close(a.rest_logprob, b.rest_logprob, rtol=0, atol=1e-6)
+
+
+def test_select_rows_the_sample_misleads():
+    """Rows where the sampled threshold fails take the exact selection; each row's result is
+    its own (bitwise the same alone as in the batch) and matches the reference."""
+    k = 40
+    t = misled_rows_(logits(8, 1000, scale=3.0, seed=3), k)
+    done = topkd.backends.EAGER.select(t, k, 1.0, 1.0, None)[-1]
+    assert done.any() and not done.all(), done  # the test sees both ways
+    st = topkd.select_topk(t, k)
+    assert_teacher_matches(st, ref.select(t, k), k=k, vocab_size=t.shape[1], temperature=1.0)
+    for i in range(t.shape[0]):
+        one = topkd.select_topk(t[i:i + 1], k)
+        for a, b in zip((one.indices, one.logprobs, one.rest_logprob),
+                        (st.indices, st.logprobs, st.rest_logprob), strict=True):
+            assert torch.equal(a[0], b[i])
+
+
+def test_compact_without_a_host_sync_agrees():
+    """The candidates' compaction without a host sync (for GPUs) gives what the CPU's gives,
+    but for a row with more than the capacity, which it leaves out whole."""
+    g = torch.Generator().manual_seed(4)
+    above = torch.rand(6, 500, generator=g) < 0.1
+    above[2] = True  # over the capacity
+    above[4] = False
+    capacity = 80
+    cpu = topk.compact(above.clone(), capacity, sync_free=False)
+    free = topk.compact(above.clone(), capacity, sync_free=True)
+    assert cpu.shape == free.shape == (6, capacity + 1)
+    assert torch.equal(cpu[2], torch.arange(capacity + 1)) and (free[2] == -1).all()
+    keep = torch.tensor([0, 1, 3, 4, 5])
+    assert torch.equal(cpu[keep], free[keep])
+    for i in keep:
+        want = above[i].nonzero()[:, 0]
+        assert torch.equal(cpu[i, :want.numel()], want) and (cpu[i, want.numel():] == -1).all()

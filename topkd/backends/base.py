@@ -57,10 +57,13 @@ class Backend:
         :attr:`sparse_remade` in ``stats``."""
         raise NotImplementedError
 
-    def sparse_gradient(self, cfg, state, stats: dict, upstream, g_ce, dtype: torch.dtype):
+    def sparse_gradient(self, cfg, state, stats: dict, upstream, g_ce, dtype: torch.dtype,
+                        out=None):
         """The chunk's ``d loss / d (raw logits)`` ``[r, >= W]`` (columns past ``W`` junk) in
-        ``dtype`` or float32. ``upstream`` = ``(grad_sel [r, K], grad_norm [r], grad_rest
-        [r])``: the upstream gradients of the kept values, the log-normalizer and the ghost."""
+        ``dtype`` or float32: ``out`` (the sink's rows ``[r, >= W]`` in ``dtype``, or None)
+        when the backend wrote it there, else a chunk of its own. ``upstream`` = ``(grad_sel
+        [r, K], grad_norm [r], grad_rest [r])``: the upstream gradients of the kept values,
+        the log-normalizer and the ghost."""
         raise NotImplementedError
 
     # ---- full-vocabulary path: student and teacher chunks side by side
@@ -82,18 +85,29 @@ class Backend:
         raise NotImplementedError
 
     def dense_gradient(self, cfg, state, stats: dict, g_kd, g_norm_ce, g_ce,
-                       dtype: torch.dtype):
+                       dtype: torch.dtype, out=None):
         """The chunk's ``d loss / d (raw student logits)`` ``[r, >= W]`` from ``stats``'
-        ``row_max``, ``row_sum`` and ``h_sum``; ``g_norm_ce``: the CE's upstream gradient
-        where it shares the KD normalizer (T = 1), else 0."""
+        ``row_max``, ``row_sum`` and ``h_sum`` (in ``out`` or not, as
+        :meth:`sparse_gradient`); ``g_norm_ce``: the CE's upstream gradient where it shares
+        the KD normalizer (T = 1), else 0."""
         raise NotImplementedError
 
     # ---- the teacher's selection and the fused head's weight gradient
 
-    def select(self, low, k: int, temperature: float, logit_scale: float, softcap):
-        """``(values [r, k], local indices [r, k], rest max [r], rest log-sum [r])``: the
-        chunk's top-``k`` of ``logits / T`` in canonical order (:mod:`topkd.topk`) and the
-        log-sum-exp of the rest as ``rest max + rest log-sum``; ``k <= W``."""
+    def select(self, low, k: int, temperature: float, logit_scale: float, softcap,
+               scratch=None):
+        """``(values [r, k], local indices [r, k], rest max [r], rest log-sum [r], done [r]
+        bool)``: the chunk's top-``k`` of ``logits / T`` in canonical order
+        (:mod:`topkd.topk`) and the log-sum-exp of the rest as ``rest max + rest log-sum``;
+        ``k <= W``. No host sync: a row that is not ``done`` (whether it is depends on the
+        row alone) holds junk and is selected again by :meth:`select_exact`. ``scratch``: a
+        :class:`~topkd.sources.Scratch` whose buffers the call's chunks share, or None."""
+        raise NotImplementedError
+
+    def select_exact(self, low, k: int, temperature: float, logit_scale: float, softcap,
+                     scratch=None):
+        """:meth:`select` of any rows, every one done: ``(values, indices, rest max, rest
+        log-sum)``."""
         raise NotImplementedError
 
     def accumulator(self, like: torch.Tensor):

@@ -21,7 +21,8 @@ import torch
 
 from ..divergences import KL, has_own_terms
 from ..kernels import finite_or_zero
-from ..topk import candidates_
+from ..sources import empty
+from ..topk import candidates_, compact, sampled_plan, sampled_top
 from .base import Backend
 from .eager import EAGER
 
@@ -222,12 +223,12 @@ def sparse_statistics(low, columns, bias, labels, temperature, logit_scale, soft
 @_compiled
 def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, selected,
                     grad_sel, grad_norm, grad_rest, g_ce, ce_max, ce_sum, temperature, logit_scale,
-                    softcap, dtype: torch.dtype):
-    """The chunk's ``d loss / d (raw logits)`` ``[r, W + 1]`` in ``dtype`` (the last column is
-    junk), as :func:`~topkd.kernels.sparse_gradient_` and the CE and transform steps after it
-    give: ghost entries in one pass over the chunk, kept ones computed at ``[r, K]`` and
-    scattered over them."""
-    r, width = low.shape
+                    softcap, out):
+    """The chunk's ``d loss / d (raw logits)`` written into ``out`` ``[r, >= W]`` (its dtype;
+    columns past ``W`` untouched) and returned, as :func:`~topkd.kernels.sparse_gradient_` and
+    the CE and transform steps after it give: ghost entries in one pass over the chunk, kept
+    ones computed at ``[r, K]`` and scattered over them."""
+    width = low.shape[1]
     has_rest = rest_sum > 0
     ghost = grad_norm * torch.exp(rest_max - row_max) / total
     ghost = ghost + torch.where(has_rest, grad_rest / rest_sum.clamp_min(1e-38), 0.0)
@@ -235,15 +236,22 @@ def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, se
     a = _logits(low, logit_scale, softcap) / temperature
     grad = torch.exp(a - _finite(rest_max)[:, None]) * ghost[:, None]
     grad = _ce_gradient(grad, low, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    grad = grad * _derivative(low, logit_scale, softcap)
+    grad = (grad * _derivative(low, logit_scale, softcap)).to(out.dtype)
 
     kept = torch.exp(selected - row_max[:, None]) * (grad_norm / total)[:, None]
     kept = (kept + grad_sel) / temperature
-    _, values = _at(low, columns)
+    inside, values = _at(low, columns)
     kept = _ce_gradient(kept, values, columns, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    kept = kept * _derivative(values, logit_scale, softcap)
-    out = torch.cat([grad.to(dtype), torch.zeros(r, 1, dtype=dtype, device=low.device)], 1)
-    return out.scatter(1, columns, kept.to(dtype))
+    kept = (kept * _derivative(values, logit_scale, softcap)).to(out.dtype)
+    # Kept entries elsewhere (spare column W) are written as a copy of one that is here, the
+    # row's first, with its value; a row with none here rewrites column 0's own value.
+    first = torch.where(inside, 1, 0).argmax(-1, keepdim=True)
+    here = inside.any(-1, keepdim=True)
+    anchor = torch.where(here, columns.gather(1, first), 0)
+    anchor_value = torch.where(here, kept.gather(1, first), grad[:, :1])
+    out[:, :width].copy_(grad)
+    return out.scatter_(1, torch.where(inside, columns, anchor),
+                        torch.where(inside, kept, anchor_value))
 
 
 # ---- full vocabulary ----------------------------------------------------------------------
@@ -295,25 +303,74 @@ def dense_terms(divergence, low_s, low_t, center, log_shift, inverse_sum, temper
 @_compiled
 def dense_gradient(divergence, low_s, low_t, labels, row_max, row_sum, h_sum, g_kd,
                    g_norm_ce, g_ce, ce_max, ce_sum, temperature, logit_scale, softcap,
-                   t_logit_scale, t_softcap, dtype: torch.dtype):
-    """The chunk's ``d loss / d (raw student logits)`` ``[r, W]`` in ``dtype`` from the global
-    row maxima and sums ``[r, 2]``: ``(g_kd * (h - p sum h) + g_ce * p) / T`` and the CE and
-    transform steps, as :func:`~topkd.kernels.dense_gradient_` and those after it."""
+                   t_logit_scale, t_softcap, out):
+    """The chunk's ``d loss / d (raw student logits)`` written into ``out`` ``[r, >= W]`` (its
+    dtype) and returned, from the global row maxima and sums ``[r, 2]``: ``(g_kd * (h - p sum
+    h) + g_ce * p) / T`` and the CE and transform steps, as
+    :func:`~topkd.kernels.dense_gradient_` and those after it."""
     p, _, h = _terms(divergence, low_s, low_t, _finite(row_max), row_sum.log(), 1 / row_sum,
                      temperature, logit_scale, softcap, t_logit_scale, t_softcap)
     coef = g_kd * h_sum - g_norm_ce
     grad = (h * g_kd[:, None] - p * coef[:, None]) / temperature
     grad = _ce_gradient(grad, low_s, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    return (grad * _derivative(low_s, logit_scale, softcap)).to(dtype)
+    out[:, :low_s.shape[1]].copy_(grad * _derivative(low_s, logit_scale, softcap))
+    return out
 
 
 # ---- the teacher's selection and the fused head's accumulators ----------------------------
 
 
 @_compiled
-def read(low, temperature, logit_scale, softcap):
-    """``logits / T`` of a chunk as a new float32 buffer (the selection sorts it)."""
-    return _logits(low, logit_scale, softcap) / temperature
+def read(low, temperature, logit_scale, softcap, out):
+    """``logits / T`` of a chunk into the float32 buffer ``out`` (the exact selection sorts
+    it)."""
+    return out.copy_(_logits(low, logit_scale, softcap) / temperature)
+
+
+@_compiled
+def sample_threshold(sample, keep, temperature, logit_scale, softcap):
+    """The ``keep``-th largest ``logits / T`` of each row of ``sample`` (a chunk's strided
+    columns)."""
+    b = _logits(sample, logit_scale, softcap) / temperature
+    return torch.topk(b, keep, dim=-1, sorted=False).values.amin(-1)
+
+
+@_compiled
+def threshold_scan(low, threshold, temperature, logit_scale, softcap, out):
+    """``(out, below [r])`` of a chunk's ``b = logits / T`` in one pass: ``out`` (int8 ``[r,
+    W]``) 1 where ``b >= threshold`` (``[r]``), else 0 (inductor stores an int8 several times
+    faster than a bool), and the row sum of ``exp(b - threshold)`` below it."""
+    b = _logits(low, logit_scale, softcap) / temperature
+    above = b >= threshold[:, None]
+    below = torch.where(above, 0.0, torch.exp(b - threshold[:, None])).sum(-1)
+    return out.copy_(torch.where(above, 1.0, 0.0)), below  # (float: stored faster)
+
+
+@_compiled(rows=False)
+def transformed(values, temperature, logit_scale, softcap):
+    """``logits / T`` of gathered raw values, as the kernels above compute it."""
+    return _logits(values, logit_scale, softcap) / temperature
+
+
+class _Sampled:
+    """:func:`topkd.topk.sampled_top`'s kernels on a chunk in its own dtype: no float32 copy
+    of it, and no host sync (:func:`topkd.topk.compact`)."""
+
+    def __init__(self, temperature, logit_scale, softcap, scratch):
+        self.options = (temperature, logit_scale, softcap)
+        self.scratch = scratch
+
+    def threshold(self, low, stride, keep):
+        # (contiguous: a one-row chunk's sample, doubled, is; a kernel must see one layout)
+        return sample_threshold(low[:, ::stride].contiguous(), keep, *self.options)
+
+    def scan(self, low, threshold, capacity):
+        flags = empty(self.scratch, "select", *low.shape, torch.int8, low.device)
+        above, below = threshold_scan(low, threshold, *self.options, flags)
+        return compact(above.view(torch.bool), capacity), lambda: below
+
+    def values_at(self, low, columns):
+        return transformed(low.gather(1, columns), *self.options)
 
 
 @_compiled
@@ -334,6 +391,13 @@ def accumulate_(accumulator, product):
 
 def _transforms(cfg):
     return (cfg.logit_scale, cfg.softcap, cfg.teacher_logit_scale, cfg.teacher_softcap)
+
+
+def _gradient_out(low, dtype, out):
+    """Where a gradient kernel writes: the sink's rows ``out``, or a new ``[r, W]`` chunk."""
+    if out is None:
+        out = torch.empty(low.shape, dtype=dtype, device=low.device)
+    return out
 
 
 def _label_extras(extra, label_columns, ce):
@@ -370,14 +434,14 @@ class CompiledBackend(Backend):
     def sparse_refresh(self, cfg, low, columns, label_columns, stats):
         return (low, columns, label_columns)
 
-    def sparse_gradient(self, cfg, state, stats, upstream, g_ce, dtype):
+    def sparse_gradient(self, cfg, state, stats, upstream, g_ce, dtype, out=None):
         low, columns, label_columns = state
         grad_sel, grad_norm, grad_rest = upstream
         return sparse_gradient(
             low, columns, label_columns, stats["row_max"], stats["total"], stats["rest_max"],
             stats["rest_sum"], stats["selected"], grad_sel, grad_norm, grad_rest, g_ce,
             stats.get("ce_max"), stats.get("ce_sum"), cfg.temperature, cfg.logit_scale,
-            cfg.softcap, dtype)
+            cfg.softcap, _gradient_out(low, dtype, out))
 
     # ---- full-vocabulary path
 
@@ -396,18 +460,27 @@ class CompiledBackend(Backend):
     def dense_refresh(self, cfg, low_s, low_t, label_columns, row_max, row_sum):
         return (low_s, low_t, label_columns)
 
-    def dense_gradient(self, cfg, state, stats, g_kd, g_norm_ce, g_ce, dtype):
+    def dense_gradient(self, cfg, state, stats, g_kd, g_norm_ce, g_ce, dtype, out=None):
         low_s, low_t, label_columns = state
         return dense_gradient(
             cfg.divergence, low_s, low_t, label_columns, stats["row_max"], stats["row_sum"],
             stats["h_sum"], g_kd, g_norm_ce, g_ce, stats.get("ce_max"), stats.get("ce_sum"),
-            cfg.temperature, *_transforms(cfg), dtype)
+            cfg.temperature, *_transforms(cfg), _gradient_out(low_s, dtype, out))
 
-    # ---- the teacher's selection (the widening and the rest's log-sum-exp compiled, the
-    # sort eager) and the fused head's weight gradient
+    # ---- the teacher's selection (its passes over the chunk compiled, the sorts eager) and
+    # the fused head's weight gradient
 
-    def select(self, low, k, temperature, logit_scale, softcap):
-        b = read(low, temperature, logit_scale, softcap)
+    def select(self, low, k, temperature, logit_scale, softcap, scratch=None):
+        plan = sampled_plan(low.shape[1], k + 1) if k < low.shape[1] else None
+        if plan is None:
+            return (*self.select_exact(low, k, temperature, logit_scale, softcap, scratch),
+                    torch.ones(low.shape[0], dtype=torch.bool, device=low.device))
+        return sampled_top(low, k + 1, plan,
+                           _Sampled(temperature, logit_scale, softcap, scratch))
+
+    def select_exact(self, low, k, temperature, logit_scale, softcap, scratch=None):
+        b = read(low, temperature, logit_scale, softcap,
+                 empty(scratch, "select", *low.shape, torch.float32, low.device))
         values, indices, rest_max = candidates_(b, k)
         return values, indices, rest_max, log_sum_exp(b, rest_max)
 

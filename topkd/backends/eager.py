@@ -15,6 +15,7 @@ import torch
 from .. import kernels, topk
 from ..divergences import KL, ReverseKL
 from ..kernels import finite_or_zero
+from ..sources import empty
 from .base import Backend
 
 _NEG_INF = float("-inf")
@@ -124,6 +125,46 @@ def _passes(divergence):
     return _TermsPasses(divergence)
 
 
+def _read(low, temperature, logit_scale, softcap, scratch):
+    """The selection's float32 chunk ``z / T`` (in ``scratch``'s buffer when given)."""
+    out = empty(scratch, "select", *low.shape, torch.float32, low.device)
+    return kernels.read(low, temperature, logit_scale, softcap, out=out)[0]
+
+
+def _select_exact(b, k):
+    """The exact selection of the float32 chunk ``b`` (consumed)."""
+    values, indices, rest_max = topk.candidates_(b, k)
+    center = finite_or_zero(rest_max)
+    return values, indices, rest_max, b.sub_(center[:, None]).exp_().sum(-1).log_()
+
+
+class _Sampled:
+    """:func:`topkd.topk.sampled_top`'s kernels on the float32 chunk ``b`` (``z / T``): the
+    sum below the threshold in place on ``b`` once the values above it are gathered."""
+
+    @staticmethod
+    def threshold(b, stride, keep):
+        sample = b[:, ::stride].contiguous()  # (torch.topk runs faster on it)
+        return torch.topk(sample, keep, dim=-1, sorted=False).values.amin(-1)
+
+    @staticmethod
+    def scan(b, threshold, capacity):
+        columns = topk.compact(b >= threshold[:, None], capacity)
+
+        def below():  # the candidates out of the sum: -inf (padding repeats a row's first)
+            at = torch.where(columns >= 0, columns, columns[:, :1]).clamp_min(0)
+            at += torch.arange(0, b.numel(), b.shape[1], device=b.device)[:, None]
+            b.view(-1).index_fill_(0, at.view(-1), float("-inf"))
+            # (a threshold of -inf leaves nothing below it; centered on 0, not NaN)
+            return b.sub_(finite_or_zero(threshold)[:, None]).exp_().sum(-1)
+
+        return columns, below
+
+    @staticmethod
+    def values_at(b, columns):
+        return b.gather(1, columns)
+
+
 def _read_pair(cfg, low_s, low_t, label_columns):
     a, z_label = kernels.read(low_s, cfg.temperature, cfg.logit_scale, cfg.softcap, 1,
                               label_columns)
@@ -157,7 +198,7 @@ class EagerBackend(Backend):
         stats["selected"] = a.gather(1, columns)  # as forward read them: the same values
         return (low, a, columns, label_columns, None)
 
-    def sparse_gradient(self, cfg, state, stats, upstream, g_ce, dtype):
+    def sparse_gradient(self, cfg, state, stats, upstream, g_ce, dtype, out=None):
         low, a, columns, label_columns, exp_max = state
         grad_sel, grad_norm, grad_rest = upstream
         kernels.sparse_gradient_(a, columns, stats["row_max"], stats["total"],
@@ -183,7 +224,7 @@ class EagerBackend(Backend):
         a, b, _ = _read_pair(cfg, low_s, low_t, None)
         return (low_s, _passes(cfg.divergence).refresh(a, b, row_max, row_sum), label_columns)
 
-    def dense_gradient(self, cfg, state, stats, g_kd, g_norm_ce, g_ce, dtype):
+    def dense_gradient(self, cfg, state, stats, g_kd, g_norm_ce, g_ce, dtype, out=None):
         low, state, label_columns = state
         grad = _passes(cfg.divergence).gradient(state, stats["h_sum"], g_kd, g_norm_ce,
                                                 cfg.temperature)
@@ -192,12 +233,16 @@ class EagerBackend(Backend):
 
     # ---- the teacher's selection and the fused head's weight gradient
 
-    def select(self, low, k, temperature, logit_scale, softcap):
-        b, _ = kernels.read(low, temperature, logit_scale, softcap)
-        values, indices, rest_max = topk.candidates_(b, k)
-        center = finite_or_zero(rest_max)
-        rest_logsum = b.sub_(center[:, None]).exp_().sum(-1).log_()
-        return values, indices, rest_max, rest_logsum
+    def select(self, low, k, temperature, logit_scale, softcap, scratch=None):
+        b = _read(low, temperature, logit_scale, softcap, scratch)
+        plan = topk.sampled_plan(b.shape[1], k + 1) if k < b.shape[1] else None
+        if plan is None:
+            return (*_select_exact(b, k), torch.ones(b.shape[0], dtype=torch.bool,
+                                                     device=b.device))
+        return topk.sampled_top(b, k + 1, plan, _Sampled)
+
+    def select_exact(self, low, k, temperature, logit_scale, softcap, scratch=None):
+        return _select_exact(_read(low, temperature, logit_scale, softcap, scratch), k)
 
     def accumulator(self, like):
         # one float32 tile made once per stage (widening first is twice as fast as add_'s
