@@ -151,25 +151,45 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
                                         shards["teacher"].width,
                                         source.element_size)
 
-    def select(rows):
+    def select(rows, budget=teacher_bytes):
         return select_rows(rows, k, options.top_p, options.top_p_min_k, temperature, vocab,
-                           shards["teacher"], options.process_group, teacher_bytes,
+                           shards["teacher"], options.process_group, budget,
                            fused=True, logit_scale=cfg.teacher_logit_scale,
                            softcap=cfg.teacher_softcap, backend=cfg.backend)
 
     teacher_rows = None
-    if one_pass:  # the [rows, K] targets exist one chunk at a time
+    if one_pass:  # the [rows, K] targets exist a span of chunks at a time
         teacher_tensors = dict.fromkeys(_SPARSE_NAMES)
         if isinstance(source, LinearSource):
             source = BlockedSource(source, cfg.teacher_block_rows)
-
-        def teacher_rows(start, stop):
-            return select(source.slice(start, stop))
+        span, budget = memory.fused_select(cfg, True, labels, shards["student"].widest, k)
+        teacher_rows = _Spans(lambda rows: select(rows, budget), source, span)
     else:
         teacher_tensors = sparse_tensors(select(source), n)
     return _run(_sparse_call(cfg, student_tensors, n), {**student_tensors, **teacher_tensors},
                 options, mask=mask, lead_shape=lead, labels=labels, teacher_rows=teacher_rows,
                 one_pass=one_pass, owner=owner)
+
+
+class _Spans:
+    """``teacher_rows(start, stop)`` of a one-pass fused loss: the teacher selected ``span``
+    rows at a time (from ``start`` on, in order, as the chunks ask), each span's targets held
+    until a chunk asks for rows past it."""
+
+    def __init__(self, select, source, span: int):
+        self.select, self.source, self.span = select, source, span
+        self.first, self.rows = 0, None
+
+    def __call__(self, start: int, stop: int) -> SparseTeacher:
+        rows = self.rows
+        if rows is None or start < self.first or stop > self.first + rows.indices.shape[0]:
+            self.rows = rows = None  # free the last span's targets before the next
+            last = min(self.source.count, start + max(self.span, stop - start))
+            self.first, self.rows = start, self.select(self.source.slice(start, last))
+            rows = self.rows
+        lo, hi = start - self.first, stop - self.first
+        return SparseTeacher(rows.indices[lo:hi], rows.logprobs[lo:hi],
+                             rows.rest_logprob[lo:hi], rows.temperature, rows.vocab_size)
 
 
 def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, labels, shards,

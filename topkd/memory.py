@@ -18,7 +18,9 @@ The rule, written once:
 - **The fused losses** share ``min(512 MiB, max(1 MiB, logits bytes / 5))`` minus what one
   matrix product allocates while it runs (:func:`gemm_workspace`): a fifth for the float32
   work chunks (at least three buffers), the rest for the blocks of logits, which also hold
-  the gradient stage (:func:`fused_rows`).
+  the gradient stage (:func:`fused_rows`); the teacher's selection of a one-pass loss takes
+  the work chunks' share between them (:func:`fused_select`). Logits of at most 4 MiB (the
+  logits losses' least selection budget) run as one block and one chunk.
 """
 
 from __future__ import annotations
@@ -118,11 +120,14 @@ _CANDIDATE_BYTES = 24  # per candidate of a merge block: float32 value, int32 in
 
 def select_rows(chunk_bytes, count: int, valid: int, element_size: int, fused: bool,
                 backend) -> int:
-    """Rows per chunk of the teacher's selection: one float32 buffer of the ``valid`` columns
-    within :data:`SELECT_FACTOR` (fused: :data:`FUSED_SELECT_FACTOR`) times the budget."""
+    """Rows per chunk of the teacher's selection: its float32 buffers of the ``valid`` columns
+    within :data:`SELECT_FACTOR` (fused: :data:`FUSED_SELECT_FACTOR`) times the budget. A
+    backend that widens the chunk holds it and, about as large again, its mask and candidates;
+    one that reads the chunk in its own dtype holds a byte per entry and the candidates, a
+    buffer in all."""
     factor = FUSED_SELECT_FACTOR if fused else SELECT_FACTOR
     per = chunk_rows(factor * budget_bytes(chunk_bytes, count, valid, element_size), valid,
-                     count, 4)
+                     count, 4, buffers=2 if backend.widens_chunks else 1)
     return least_rows(per, backend)
 
 
@@ -151,6 +156,10 @@ _FUSED_FRACTION = 5
 _WORK_SHARE = 5  # the work chunks' share of the fused budget: 1/5
 _FUSED_MIN_BUFFERS = 3  # the one-pass loop's temporaries live beside the chunk
 _TEACHER_BLOCK_DIVISOR = 4
+# By default a fused loss whose logits would take at most this (the logits losses' least
+# selection budget) runs as one block and one chunk: a few MiB, where per-chunk overhead would
+# cost more than the memory saved.
+SMALL_FUSED_BYTES = SELECT_FACTOR * MIN_CHUNK_BYTES
 
 
 def fused_rows(cfg, sparse: bool, labels, chunk_bytes, widest: int, count: int,
@@ -165,6 +174,8 @@ def fused_rows(cfg, sparse: bool, labels, chunk_bytes, widest: int, count: int,
     buffers = max(_FUSED_MIN_BUFFERS, work_buffers(cfg, sparse, labels))
     element = dtype.itemsize
     width = widest + 1
+    if chunk_bytes is None and count * width * element <= SMALL_FUSED_BYTES:
+        return count, count, count if teacher_blocks else 0  # small: one block, one chunk
     total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // _WORK_SHARE
     if total is None:
         # By default at least 1 MiB, all of it for the work chunks if need be: at small shapes
@@ -182,6 +193,24 @@ def fused_rows(cfg, sparse: bool, labels, chunk_bytes, widest: int, count: int,
     block = max(per, int(rest // row_bytes) // per * per)
     teacher_block = max(1, block // _TEACHER_BLOCK_DIVISOR) if teacher_blocks else 0
     return per, block, teacher_block
+
+
+_TARGET_BYTES = 16  # per kept entry of a selected teacher row: int64 index, float32 logprob,
+# and their share of the rest
+
+
+def fused_select(cfg, sparse: bool, labels, widest: int, k: int) -> tuple[int, int]:
+    """``(span rows, chunk_bytes)`` of the teacher's selection in a one-pass fused loss (the
+    targets made as the chunks go): the teacher of ``span`` rows at once, a block's (a teacher
+    head's block when the teacher is a head), whose ``[span, K]`` targets take at most a
+    quarter of the work chunks' share; selected in chunks within that share (the work chunks'
+    buffers are free while the teacher is selected). Selecting per work chunk instead costs
+    its fixed overhead once per few rows. ``cfg`` holds the rows that :func:`fused_rows`
+    gave; spans are whole work chunks, the same on every rank."""
+    per = cfg.rows_per_chunk
+    work = per * 4 * (widest + 1) * max(_FUSED_MIN_BUFFERS, work_buffers(cfg, sparse, labels))
+    span = min(cfg.teacher_block_rows or cfg.block_rows, work // (4 * _TARGET_BYTES * k))
+    return max(per, span // per * per), work
 
 
 # A stage of at least ROUNDED_PRODUCT_ROWS rows makes the weight's product in the weight's

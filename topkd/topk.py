@@ -63,16 +63,17 @@ def topk_lowest_index(b: torch.Tensor, k: int):
 
 def sampled_plan(width: int, k: int):
     """``(stride, keep, capacity)`` of :func:`sampled_top` for the top ``k`` of ``width``
-    columns, or None where ``k`` is too large next to the row for a sample to pay.
+    columns, or None where ``k`` is too large next to the row (above a sixteenth) for a sample
+    to pay.
 
     The threshold is the ``keep``-th largest of every ``stride``-th column, so about ``stride
     * keep`` = 1.25 ``k`` (+ 16 strides) entries lie at or above it, give or take ``stride *
     sqrt(keep)`` where the sample is like the row; ``capacity`` candidate slots per row hold
     8 of those more, so a row falls short or overflows only where its sample is far off.
     """
-    stride = min(16, width // (4 * k))
-    if stride < 2:
+    if width < 16 * k:  # the exact selection costs less
         return None
+    stride = min(16, width // (4 * k))
     keep = min(-(-width // stride), -(-k // stride) * 5 // 4 + 16)
     return stride, keep, stride * (keep + 8 * math.isqrt(keep) + 8)
 

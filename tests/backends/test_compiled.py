@@ -285,7 +285,7 @@ SELECT_CASES = {
     "k300-T2": (F32, 15, 600, 300, dict(temperature=2.0), None),
     "kV": (F32, 15, 600, 600, {}, None),
     "top_p-min_k": (F32, 16, 600, 40, dict(top_p=0.3, top_p_min_k=6), None),
-    "top_p-tiny-misled": (F32, 16, 600, 40, dict(top_p=1e-6, top_p_min_k=4), "misled"),
+    "top_p-tiny-misled": (F32, 16, 1000, 40, dict(top_p=1e-6, top_p_min_k=4), "misled"),
     "bf16-ties-top_p": (BF16, 12, 300, 64, dict(top_p=0.7, top_p_min_k=2), None),
     "fp16-ties-top_p": (F16, 12, 300, 64, dict(top_p=0.7, top_p_min_k=2), None),
     "peaky": (F32, 8, 1000, 16, {}, "peaky"),

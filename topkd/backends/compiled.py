@@ -346,7 +346,7 @@ def threshold_scan(low, threshold, temperature, logit_scale, softcap, out):
     return out.copy_(torch.where(above, 1.0, 0.0)), below  # (float: stored faster)
 
 
-@_compiled(rows=False)
+@_compiled
 def transformed(values, temperature, logit_scale, softcap):
     """``logits / T`` of gathered raw values, as the kernels above compute it."""
     return _logits(values, logit_scale, softcap) / temperature
