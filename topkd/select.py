@@ -81,7 +81,7 @@ def select_topk(
         chunk_bytes: size of the float32 work buffer per chunk of rows (default: the smaller of
             64 MiB and 1/16 of the logits).
         impl: ``"auto"``, ``"eager"`` or ``"compile"``, as in :func:`topkd.sparse_kl_loss`:
-            the widening and the rest's log-sum-exp run compiled; the sort stays eager.
+            the passes over the logits run compiled; the sorts stay eager.
 
     Returns:
         A :class:`SparseTeacher` with leading shape ``[...]``, identical on every rank.
