@@ -174,7 +174,7 @@ def fused_rows(cfg, sparse: bool, labels, chunk_bytes, widest: int, count: int,
     buffers = max(_FUSED_MIN_BUFFERS, work_buffers(cfg, sparse, labels))
     element = dtype.itemsize
     width = widest + 1
-    if chunk_bytes is None and count * width * element <= SMALL_FUSED_BYTES:
+    if chunk_bytes is None and 0 < count * width * element <= SMALL_FUSED_BYTES:
         return count, count, count if teacher_blocks else 0  # small: one block, one chunk
     total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // _WORK_SHARE
     if total is None:

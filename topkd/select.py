@@ -10,6 +10,8 @@ O(rows x K) communication and one pass over the logits.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from . import _checks, backends, memory, parallel
@@ -40,9 +42,9 @@ def _local_candidates(source, k: int, temperature: float, valid: int, chunk_byte
          rest_logsum[start:stop], done[start:stop]) = backend.select(low, *options)
     # Rows whose sample misled (rare; which ones depends on each row alone): one host sync
     # for the whole call, then the exact selection of those rows, chunk by chunk.
-    again = (~done).nonzero()[:, 0].tolist()
+    again = (~done).nonzero()[:, 0].tolist()  # ascending
     for start, stop in memory.row_chunks(n, per) if again else ():
-        rows = [row for row in again if start <= row < stop]
+        rows = again[bisect.bisect_left(again, start):bisect.bisect_left(again, stop)]
         if rows:
             low = source.low_chunk(start, stop, valid)[[row - start for row in rows]]
             rows = torch.tensor(rows, device=device)

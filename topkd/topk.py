@@ -18,12 +18,16 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.torch_version import TorchVersion
 
 # Indices must stay below this for the packed sort key; it also marks a padding candidate (a rank
 # whose shard is narrower than K), which the tie rule then ranks after every real entry.
 NO_INDEX = 2**31 - 1
 # The sort key of a padding candidate (-inf, NO_INDEX): below every real entry's.
 _PAD_KEY = (-(2**23) ^ 0x7FFFFFFF) << 32
+# torch.nonzero_static has CUDA kernels from PyTorch 2.7 on (2.6 at the earliest); before,
+# the candidates are found with one host sync.
+_NONZERO_STATIC_OFF_CPU = TorchVersion(torch.__version__) >= (2, 7)
 
 
 def sort_keys(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -91,7 +95,11 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     - ``scan(low, threshold, capacity)``: ``(columns, below)``: :func:`compact` of the entries
       ``b >= threshold``, and a callable giving each row's ``sum exp(b - threshold)`` over the
       entries below it (it may consume ``low``, so it runs last);
-    - ``values_at(low, columns)``: float32 ``b`` at ``columns`` ``[r, c]``.
+    - ``values_at(low, columns)``: float32 ``b`` at ``columns`` ``[r, c]``;
+    - ``rounding_gap`` (optional, default 0): where ``values_at`` and ``scan`` may round ``b``
+      differently (separate compiled kernels with a transcendental softcap: vectorized and
+      scalar ``tanh`` can differ in the last bits), the relative gap by which the rest's
+      maximum must clear the threshold for the row to be done.
 
     A row is done when it has between ``k`` and ``capacity`` candidates: they then hold its
     top ``k``, ties included. The rest (everything but the top ``k - 1``) is summed as its
@@ -115,6 +123,9 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     scale = torch.exp(threshold - center)
     rest_logsum = torch.log(rest.sum(-1) + scale * below())
     done = (count >= k) & (count <= capacity)
+    gap = getattr(kernels, "rounding_gap", 0.0)
+    if gap:  # an entry the scan put below the threshold could read a few ulps above it
+        done &= rest_max > threshold + threshold.abs() * gap
     return values[:, :k - 1], indices[:, :k - 1], rest_max, rest_logsum, done
 
 
@@ -123,12 +134,14 @@ def compact(above: torch.Tensor, capacity: int, sync_free: bool | None = None) -
     (bool ``[r, W]``) is True, ascending, -1 padded (a full row has more than
     ``capacity``). ``above`` may be consumed.
 
-    ``sync_free`` (by default: off a CPU) finds them without a host sync, by one
-    ``nonzero_static`` of at most ``capacity`` entries per row, where a row with more is left
-    out (all -1), so that it crowds out none of the rows after it; else by one ``nonzero``,
-    faster on a CPU, where the sync costs nothing."""
+    ``sync_free`` (by default: off a CPU, with a PyTorch whose ``nonzero_static`` runs there)
+    finds them without a host sync, by one ``nonzero_static`` of at most ``capacity`` entries
+    per row, where a row with more is left out (all -1), so that it crowds out none of the
+    rows after it; else by one ``nonzero``, faster on a CPU, where the sync costs nothing."""
     rows, width = above.shape
-    if not (above.device.type != "cpu" if sync_free is None else sync_free):
+    if sync_free is None:
+        sync_free = above.device.type != "cpu" and _NONZERO_STATIC_OFF_CPU
+    if not sync_free:
         flat = above.view(-1).nonzero()[:, 0]
         count = torch.bincount(flat // width, minlength=rows)
     else:

@@ -286,6 +286,46 @@ def test_mean_with_no_kept_row_is_zero_with_zero_gradients(loss):
         assert g is not None and torch.all(g == 0)
 
 
+@pytest.mark.parametrize("loss", ["topk", "kl"])
+def test_zero_rows_default_budget(loss):
+    """No rows, the default budget (where a small problem runs as one block): a zero loss."""
+    d = _data(seed=5, lead=(0,))
+    opts = dict(k=K) if loss == "topk" else {}
+    fused, _ = run_pair(d, loss, "pair_bias", dict(opts, reduction="sum"))
+    assert float(fused[0]) == 0.0
+    assert torch.all(fused[2] == 0) and torch.all(fused[3] == 0)
+
+
+@pytest.mark.parametrize("teacher", ["logits", "pair_bias"])
+def test_one_pass_selection_in_spans_of_chunks(monkeypatch, teacher):
+    """A one-pass fused Top-K loss selects the teacher a span of several work chunks at a
+    time (here 15 rows in spans of 6 over 2-row chunks): the spans cover every row once and
+    the loss and gradients are the unfused ones."""
+    spans, selected = [], []
+    fused_select, select_rows = topkd.memory.fused_select, topkd.entry.select_rows
+
+    def spy_span(cfg, *args):
+        out = fused_select(cfg, *args)
+        spans.append((cfg.rows_per_chunk, out[0]))
+        return out
+
+    def spy_select(rows, *args, **kwargs):
+        selected.append(rows.count)
+        return select_rows(rows, *args, **kwargs)
+
+    monkeypatch.setattr(topkd.memory, "fused_select", spy_span)
+    monkeypatch.setattr(topkd.entry, "select_rows", spy_select)
+    d = _data(seed=6)
+    opts = dict(k=K, chunk_bytes=15000, reduction="mean")
+    fused, unfused = run_pair(d, "topk", teacher, opts)
+    assert_fused_equals_unfused(fused, unfused, torch.float32, f"spans {teacher}")
+    (per, span), = spans
+    assert per < span < 15 and span % per == 0, spans
+    *spanned, whole = selected  # the fused call's spans, then the unfused call's selection
+    assert whole == 15 and sum(spanned) == 15, selected
+    assert len(spanned) == -(-15 // span) and max(spanned) == span, selected
+
+
 # --------------------------------------------------------------- float64 reference, bf16
 
 

@@ -71,22 +71,28 @@ def test_select_order_and_ties_to_lower_index():
         assert torch.all(st.indices[:, 1:][same] > st.indices[:, :-1][same])
 
 
+# (width, k): the exact selection; the sampled one (k at most a sixteenth of the row)
+WIDTH_K = [(300, 64), (1000, 40)]
+
+
+@pytest.mark.parametrize("width, k", WIDTH_K)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_select_low_precision_with_ties(dtype):
-    t = (torch.randn(12, 300) * 2).to(dtype)  # bf16: many exact ties
-    k = 64
+def test_select_low_precision_with_ties(dtype, width, k):
+    t = (torch.randn(12, width) * 2).to(dtype)  # bf16: many exact ties
+    assert (topk.sampled_plan(width, k + 1) is None) == (width < 16 * (k + 1))
     st = topkd.select_topk(t, k, top_p=0.7, top_p_min_k=2)
     r = ref.select(t, k, top_p=0.7, top_p_min_k=2)
     assert ref.top_p_margin(r, 0.7, 2) > 1e-5
-    assert_teacher_matches(st, r, k=k, vocab_size=300, temperature=1.0)
+    assert_teacher_matches(st, r, k=k, vocab_size=width, temperature=1.0)
 
 
-def test_select_rows_are_independent_bitwise():
+@pytest.mark.parametrize("width, k", [(257, 33), (1000, 40)])
+def test_select_rows_are_independent_bitwise(width, k):
     # S depends on the row alone: same result whatever batch it sits in
-    t = torch.randint(-20, 20, (9, 257)).to(torch.bfloat16) / 4
-    st = topkd.select_topk(t, 33, top_p=0.8)
+    t = torch.randint(-20, 20, (9, width)).to(torch.bfloat16) / 4
+    st = topkd.select_topk(t, k, top_p=0.8)
     for i in range(t.shape[0]):
-        one = topkd.select_topk(t[i:i + 1], 33, top_p=0.8)
+        one = topkd.select_topk(t[i:i + 1], k, top_p=0.8)
         assert torch.equal(one.indices[0], st.indices[i])
         assert torch.equal(one.logprobs[0], st.logprobs[i])
         assert torch.equal(one.rest_logprob[0], st.rest_logprob[i])

@@ -359,6 +359,8 @@ class _Sampled:
     def __init__(self, temperature, logit_scale, softcap, scratch):
         self.options = (temperature, logit_scale, softcap)
         self.scratch = scratch
+        # products and quotients round alike in every kernel; a softcap's tanh may not
+        self.rounding_gap = 0.0 if softcap is None else 2.0**-16
 
     def threshold(self, low, stride, keep):
         # (contiguous: a one-row chunk's sample, doubled, is; a kernel must see one layout)
