@@ -547,10 +547,10 @@ def test_compiled_gradient_chunk_is_not_float32_for_bf16(monkeypatch):
     seen = []
     real = topkd.backends.compiled.sparse_gradient
 
-    def spy(*args):
-        out = real(*args)
-        seen.append(out.dtype)
-        return out
+    def spy(*args):  # the kernel writes into its last argument and returns the kept entries
+        kept, inside = real(*args)
+        seen.extend((args[-1].dtype, kept.dtype))
+        return kept, inside
 
     monkeypatch.setattr(topkd.backends.compiled, "sparse_gradient", spy)
     d = _data(BF16)

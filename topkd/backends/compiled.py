@@ -224,10 +224,13 @@ def sparse_statistics(low, columns, bias, labels, temperature, logit_scale, soft
 def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, selected,
                     grad_sel, grad_norm, grad_rest, g_ce, ce_max, ce_sum, temperature, logit_scale,
                     softcap, out):
-    """The chunk's ``d loss / d (raw logits)`` written into ``out`` ``[r, >= W]`` (its dtype;
-    columns past ``W`` untouched) and returned, as :func:`~topkd.kernels.sparse_gradient_` and
-    the CE and transform steps after it give: ghost entries in one pass over the chunk, kept
-    ones computed at ``[r, K]`` and scattered over them."""
+    """``(kept [r, K], inside [r, K] bool)``, having written the chunk's ``d loss / d (raw
+    logits)`` at every column as if none were kept into ``out`` ``[r, >= W]`` (its dtype;
+    columns past ``W`` untouched): ghost entries in one pass over the chunk, as
+    :func:`~topkd.kernels.sparse_gradient_` and the CE and transform steps after it give.
+    ``kept``: the gradient at ``columns`` in ``out``'s dtype, for :func:`scatter_kept` (inside
+    the kernel the scatter made inductor write the chunk three times: to a buffer, to a
+    functional copy of ``out``, then to ``out``)."""
     width = low.shape[1]
     has_rest = rest_sum > 0
     ghost = grad_norm * torch.exp(rest_max - row_max) / total
@@ -236,22 +239,31 @@ def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, se
     a = _logits(low, logit_scale, softcap) / temperature
     grad = torch.exp(a - _finite(rest_max)[:, None]) * ghost[:, None]
     grad = _ce_gradient(grad, low, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    grad = (grad * _derivative(low, logit_scale, softcap)).to(out.dtype)
+    out[:, :width].copy_(grad * _derivative(low, logit_scale, softcap))
 
     kept = torch.exp(selected - row_max[:, None]) * (grad_norm / total)[:, None]
     kept = (kept + grad_sel) / temperature
     inside, values = _at(low, columns)
     kept = _ce_gradient(kept, values, columns, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    kept = (kept * _derivative(values, logit_scale, softcap)).to(out.dtype)
-    # Kept entries elsewhere (spare column W) are written as a copy of one that is here, the
-    # row's first, with its value; a row with none here rewrites column 0's own value.
-    first = torch.where(inside, 1, 0).argmax(-1, keepdim=True)
+    return (kept * _derivative(values, logit_scale, softcap)).to(out.dtype), inside
+
+
+def scatter_kept(out, columns, kept, inside):
+    """``out`` with the kept entries' gradient ``kept`` written at ``columns`` where
+    ``inside`` (eager, ``[r, K]``). Kept entries elsewhere (another shard's) are written as a
+    copy of the row's first one here, with its value; a row with none here rewrites column 0
+    with the value it holds."""
+    first = inside.int().argmax(-1, keepdim=True)
     here = inside.any(-1, keepdim=True)
     anchor = torch.where(here, columns.gather(1, first), 0)
-    anchor_value = torch.where(here, kept.gather(1, first), grad[:, :1])
-    out[:, :width].copy_(grad)
-    return out.scatter_(1, torch.where(inside, columns, anchor),
-                        torch.where(inside, kept, anchor_value))
+    value = torch.where(here, kept.gather(1, first), out[:, :1])
+    columns, kept = torch.where(inside, columns, anchor), torch.where(inside, kept, value)
+    if not out.is_contiguous():
+        return out.scatter_(1, columns, kept)
+    # (a CPU scatter_ into bf16/fp16 widens and narrows all of ``out``: 20x slower)
+    rows = torch.arange(0, out.numel(), out.shape[1], device=out.device)[:, None]
+    out.view(-1).index_put_(((columns + rows).view(-1),), kept.view(-1))
+    return out
 
 
 # ---- full vocabulary ----------------------------------------------------------------------
@@ -439,11 +451,13 @@ class CompiledBackend(Backend):
     def sparse_gradient(self, cfg, state, stats, upstream, g_ce, dtype, out=None):
         low, columns, label_columns = state
         grad_sel, grad_norm, grad_rest = upstream
-        return sparse_gradient(
+        out = _gradient_out(low, dtype, out)
+        kept, inside = sparse_gradient(
             low, columns, label_columns, stats["row_max"], stats["total"], stats["rest_max"],
             stats["rest_sum"], stats["selected"], grad_sel, grad_norm, grad_rest, g_ce,
             stats.get("ce_max"), stats.get("ce_sum"), cfg.temperature, cfg.logit_scale,
-            cfg.softcap, _gradient_out(low, dtype, out))
+            cfg.softcap, out)
+        return scatter_kept(out, columns, kept, inside)
 
     # ---- full-vocabulary path
 
