@@ -17,7 +17,7 @@ import torch
 from . import _checks, backends, memory, parallel
 from .sources import LogitsSource, Scratch
 from .teacher import SparseTeacher
-from .topk import NO_INDEX, canonical_order
+from .topk import NO_INDEX, PAD_KEY, from_keys, sort_keys
 
 
 def _local_candidates(source, k: int, temperature: float, valid: int, chunk_bytes, fused: bool,
@@ -149,19 +149,22 @@ def select_rows(source, k, top_p, top_p_min_k, temperature, vocab, shard, proces
 
 def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group):
     """Global top-K, normalizer, top-p and ghost for a block of rows from every rank's local
-    candidates (``values``/``indices`` ``[b, K]``, the rest's ``(max, log-sum)`` ``[b]``).
+    candidates (``values``/``indices`` ``[b, K]`` in canonical order, the rest's ``(max,
+    log-sum)`` ``[b]``).
 
     Returns ``(indices, logprobs, rest_logprob)`` for the block, identical on every rank.
     """
+    others = values[:, k:]  # candidates past the global K-th (none on one rank)
     if parallel.world_size(group) > 1:
-        # One all-gather; int32 indices travel bit-cast inside the float32 tensor, exactly.
-        packed = torch.cat([values, indices.int().view(torch.float32),
-                            rest_max[:, None], rest_logsum[:, None]], -1)
+        # One all-gather of each rank's candidates as their int64 sort keys (value bits and
+        # index) bit-cast to float32, exactly; the global top K is one topk of the keys.
+        keys = sort_keys(values, indices).view(torch.float32)
+        packed = torch.cat([keys, rest_max[:, None], rest_logsum[:, None]], -1)
         packed = parallel.all_gather_cat(packed[:, None, :], group, dim=1)  # [b, ranks, 2K+2]
-        values, indices = canonical_order(
-            packed[..., :k].flatten(1),
-            packed[..., k:2 * k].contiguous().view(torch.int32).long().flatten(1),
-        )
+        keys = packed[..., :2 * k].contiguous().view(torch.int64).flatten(1)
+        top = keys.topk(k, dim=-1, sorted=True).values
+        values, indices = from_keys(top)
+        others, _ = from_keys(torch.where(keys >= top[:, k - 1:], PAD_KEY, keys))  # -inf: kept
         rest_max, rest_logsum = packed[..., 2 * k], packed[..., 2 * k + 1]
     else:
         rest_max, rest_logsum = rest_max[:, None], rest_logsum[:, None]
@@ -170,16 +173,14 @@ def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group)
     top = values[:, :1]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     centered = values - top
-    rest = (rest_max - top) + rest_logsum  # [b, ranks]: log-sum-exp of what no rank proposed
+    rest = torch.cat([others - top, (rest_max - top) + rest_logsum], -1)  # no rank kept these
     log_norm = torch.logsumexp(torch.cat([centered, rest], -1), dim=-1, keepdim=True)
-    logprobs = centered[:, :k] - log_norm
+    logprobs = centered - log_norm
 
     keep = _top_p_keep(logprobs, top_p, top_p_min_k)
-    dropped = torch.ones_like(centered, dtype=torch.bool)
-    dropped[:, :k] = ~keep
-    ghost = torch.cat([centered.masked_fill(~dropped, float("-inf")), rest], -1)
+    ghost = torch.cat([centered.masked_fill(keep, float("-inf")), rest], -1)
     rest_logprob = torch.logsumexp(ghost, dim=-1) - log_norm[:, 0]
-    return (indices[:, :k].masked_fill(~keep, -1), logprobs.masked_fill(~keep, float("-inf")),
+    return (indices.masked_fill(~keep, -1), logprobs.masked_fill(~keep, float("-inf")),
             rest_logprob)
 
 

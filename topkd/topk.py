@@ -24,7 +24,7 @@ from torch.torch_version import TorchVersion
 # whose shard is narrower than K), which the tie rule then ranks after every real entry.
 NO_INDEX = 2**31 - 1
 # The sort key of a padding candidate (-inf, NO_INDEX): below every real entry's.
-_PAD_KEY = (-(2**23) ^ 0x7FFFFFFF) << 32
+PAD_KEY = (-(2**23) ^ 0x7FFFFFFF) << 32
 # torch.nonzero_static has CUDA kernels from PyTorch 2.7 on (2.6 at the earliest); before,
 # the candidates are found with one host sync.
 _NONZERO_STATIC_OFF_CPU = TorchVersion(torch.__version__) >= (2, 7)
@@ -112,7 +112,7 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     found = columns >= 0
     count = found.sum(-1)
     columns = columns.clamp_min(0)
-    keys = torch.where(found, sort_keys(kernels.values_at(low, columns), columns), _PAD_KEY)
+    keys = torch.where(found, sort_keys(kernels.values_at(low, columns), columns), PAD_KEY)
     del columns, found
     top = keys.topk(k, dim=-1, sorted=True).values  # padding sorts after every real entry
     values, indices = from_keys(top)
