@@ -249,17 +249,15 @@ def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, se
 
 
 def scatter_kept(out, columns, kept, inside):
-    """``out`` with the kept entries' gradient ``kept`` written at ``columns`` where
-    ``inside`` (eager, ``[r, K]``). Kept entries elsewhere (another shard's) are written as a
-    copy of the row's first one here, with its value; a row with none here rewrites column 0
-    with the value it holds."""
+    """``out`` (contiguous: the sink's rows or a new chunk) with the kept entries' gradient
+    ``kept`` written at ``columns`` where ``inside`` (eager, ``[r, K]``). Kept entries
+    elsewhere (another shard's) are written as a copy of the row's first one here, with its
+    value; a row with none here rewrites column 0 with the value it holds."""
     first = inside.int().argmax(-1, keepdim=True)
     here = inside.any(-1, keepdim=True)
     anchor = torch.where(here, columns.gather(1, first), 0)
     value = torch.where(here, kept.gather(1, first), out[:, :1])
     columns, kept = torch.where(inside, columns, anchor), torch.where(inside, kept, value)
-    if not out.is_contiguous():
-        return out.scatter_(1, columns, kept)
     # (a CPU scatter_ into bf16/fp16 widens and narrows all of ``out``: 20x slower)
     rows = torch.arange(0, out.numel(), out.shape[1], device=out.device)[:, None]
     out.view(-1).index_put_(((columns + rows).view(-1),), kept.view(-1))
@@ -487,7 +485,7 @@ class CompiledBackend(Backend):
     # the fused head's weight gradient
 
     def select(self, low, k, temperature, logit_scale, softcap, scratch=None):
-        plan = sampled_plan(low.shape[1], k + 1) if k < low.shape[1] else None
+        plan = sampled_plan(low.shape[1], k + 1)  # None where 16 (k + 1) > W
         if plan is None:
             return (*self.select_exact(low, k, temperature, logit_scale, softcap, scratch),
                     torch.ones(low.shape[0], dtype=torch.bool, device=low.device))

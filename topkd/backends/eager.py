@@ -235,7 +235,7 @@ class EagerBackend(Backend):
 
     def select(self, low, k, temperature, logit_scale, softcap, scratch=None):
         b = _read(low, temperature, logit_scale, softcap, scratch)
-        plan = topk.sampled_plan(b.shape[1], k + 1) if k < b.shape[1] else None
+        plan = topk.sampled_plan(b.shape[1], k + 1)  # None where 16 (k + 1) > W
         if plan is None:
             return (*_select_exact(b, k), torch.ones(b.shape[0], dtype=torch.bool,
                                                      device=b.device))
