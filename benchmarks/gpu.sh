@@ -51,7 +51,7 @@
 # PYTHON picks the interpreter (default: .venv/bin/python if there is one, else python3).
 
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 check=0
 only=""

@@ -185,8 +185,8 @@ class _Spans:
         if rows is None or start < self.first or stop > self.first + rows.indices.shape[0]:
             self.rows = rows = None  # free the last span's targets before the next
             last = min(self.source.count, start + max(self.span, stop - start))
-            self.first, self.rows = start, self.select(self.source.slice(start, last))
-            rows = self.rows
+            rows = self.select(self.source.slice(start, last))
+            self.first, self.rows = start, rows
         lo, hi = start - self.first, stop - self.first
         return SparseTeacher(rows.indices[lo:hi], rows.logprobs[lo:hi],
                              rows.rest_logprob[lo:hi], rows.temperature, rows.vocab_size)

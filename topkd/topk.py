@@ -96,7 +96,7 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
       ``b >= threshold``, and a callable giving each row's ``sum exp(b - threshold)`` over the
       entries below it (it may consume ``low``, so it runs last);
     - ``values_at(low, columns)``: float32 ``b`` at ``columns`` ``[r, c]``;
-    - ``rounding_gap`` (optional, default 0): where ``values_at`` and ``scan`` may round ``b``
+    - ``rounding_gap``: 0, or where ``values_at`` and ``scan`` may round ``b``
       differently (separate compiled kernels with a transcendental softcap: vectorized and
       scalar ``tanh`` can differ in the last bits), the relative gap by which the rest's
       maximum must clear the threshold for the row to be done.
@@ -123,7 +123,7 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     scale = torch.exp(threshold - center)
     rest_logsum = torch.log(rest.sum(-1) + scale * below())
     done = (count >= k) & (count <= capacity)
-    gap = getattr(kernels, "rounding_gap", 0.0)
+    gap = kernels.rounding_gap
     if gap:  # an entry the scan put below the threshold could read a few ulps above it
         done &= rest_max > threshold + threshold.abs() * gap
     return values[:, :k - 1], indices[:, :k - 1], rest_max, rest_logsum, done

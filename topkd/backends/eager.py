@@ -142,6 +142,8 @@ class _Sampled:
     """:func:`topkd.topk.sampled_top`'s kernels on the float32 chunk ``b`` (``z / T``): the
     sum below the threshold in place on ``b`` once the values above it are gathered."""
 
+    rounding_gap = 0.0  # every value is read from ``b``
+
     @staticmethod
     def threshold(b, stride, keep):
         sample = b[:, ::stride].contiguous()  # (torch.topk runs faster on it)
