@@ -70,6 +70,49 @@ def gloo_writer(rank, world, count, store_dir, result_dir):
     run_rank(rank, world, result_dir, body)
 
 
+def sharded_load_failures(rank, world, teacher_dir, result_dir):
+    """:func:`topkd.store.sharded_teacher.load_sharded` where it must stop every rank without
+    a hang: rank 0's load fails (rank 0 raises its own error, the others one naming it); rank
+    0 loads a model another rank's config does not make (every rank raises, naming the rank);
+    then a good load, whose logits are the unsharded model's."""
+    import torch.distributed as dist
+    from tp_worker import run_rank
+
+    from topkd.store.build import _load_model
+    from topkd.store.sharded_teacher import load_sharded
+
+    def broken(*_):
+        raise OSError("no such checkpoint")
+
+    def other(*args):
+        model = _load_model(*args)
+        model.lm_head.weight.data = model.lm_head.weight.data[:-1]  # not the config's shape
+        return model
+
+    def body(group, failures):
+        cpu = torch.device("cpu")
+        for load, expected in ((broken, "OSError: no such checkpoint" if rank else
+                                "no such checkpoint"),
+                               (other, f"rank {rank} built a model" if rank else
+                                "rank 1 did not build")):
+            try:
+                load_sharded(load, teacher_dir, "auto", cpu, world)
+                failures.append(f"{load.__name__}: no error")
+            except (OSError, RuntimeError) as e:
+                if expected not in str(e):
+                    failures.append(f"{load.__name__}: {e!r}")
+        model, device = load_sharded(_load_model, teacher_dir, "auto", cpu, world)
+        ids = torch.tensor([[1, 2, 3, 4, 5]])
+        with torch.inference_mode():
+            logits = model(input_ids=ids, use_cache=False).logits
+            whole = _load_model(teacher_dir, "auto", cpu)(input_ids=ids, use_cache=False).logits
+        if device != cpu or not torch.equal(logits, whole):
+            failures.append(f"sharded logits differ from the unsharded ({device})")
+        dist.barrier(group)
+
+    run_rank(rank, world, result_dir, body)
+
+
 def cli_builds(directory: str, argvs: list) -> None:
     """``topkd store build`` once per argument list of ``argvs``, in one process (starting a
     rank is the slow part), printing one JSON line of ``{"code", "out", "err"}`` per build.
@@ -86,6 +129,16 @@ def cli_builds(directory: str, argvs: list) -> None:
     from topkd.cli import main
 
     torch.set_num_threads(1)
+    if int(os.environ["RANK"]) > 0:  # a sharded teacher is read from disk by rank 0 alone
+        import transformers
+
+        load = transformers.AutoModelForCausalLM.from_pretrained
+
+        def only_unsharded(*args, **kwargs):
+            assert "--shard-teacher" not in argv, "a rank > 0 read the sharded teacher"
+            return load(*args, **kwargs)
+
+        transformers.AutoModelForCausalLM.from_pretrained = only_unsharded
     for number, argv in enumerate(argvs):
         if number == 1:
             dist.init_process_group(

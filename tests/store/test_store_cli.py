@@ -496,6 +496,16 @@ def test_torchrun_two_ranks(teacher, tmp_path):
     assert "rank 1 of the sharded teacher's build failed" in zero[3]["err"], zero[3]["err"]
 
 
+def test_sharded_teacher_read_by_rank_zero_alone(teacher, tmp_path):
+    """``--shard-teacher``'s load (the torchrun test checks that no other rank reads the
+    checkpoint): a failed load on rank 0, or a model another rank's config does not make,
+    stops every rank with a message, not a hang; the sharded logits are the unsharded ones."""
+    import store_worker
+
+    helpers.spawn_ranks(store_worker.sharded_load_failures, 2, (2, teacher[0], tmp_path),
+                        tmp_path, deadline_s=180)
+
+
 def test_resume_refuses_another_checkpoint_of_the_same_name(teacher, tmp_path, capsys):
     """Two checkpoints in directories of one name (run-a/final, run-b/final): the second
     build into the first's store is refused by the teacher fingerprint."""

@@ -413,12 +413,12 @@ def _build(teacher_dir, data, out, *, k, samples, seed, top_p, top_p_min_k, temp
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-    # a sharded teacher is loaded on the CPU and moved to the device a shard at a time
-    model = _load_model(teacher_dir, dtype, "cpu" if shard else device)
-    if shard:
-        from .sharded_teacher import shard_teacher
+    if shard:  # read by rank 0 alone, on the CPU, and moved to the devices a shard at a time
+        from .sharded_teacher import load_sharded
 
-        device = shard_teacher(model, device, world)
+        model, device = load_sharded(_load_model, teacher_dir, dtype, device, world)
+    else:
+        model = _load_model(teacher_dir, dtype, device)
     if padding_free:  # (a forward: collective, on every rank alike, when sharded)
         from ..hf.packing import PackingCheck
 

@@ -1,11 +1,14 @@
 """A store build's teacher sharded over the build's ranks with FSDP2, for inference.
 
-Every rank loads the checkpoint on the CPU; :func:`shard_teacher` then shards it with
-``torch.distributed.fsdp.fully_shard`` on its decoder layers and its root, each module moved to
-the build's device as it is sharded, so a rank's device holds ``1/world`` of the weights at
-rest and, during a forward, the root's parameters (embeddings, head, final norm) and the layer
-being run (on GPUs also the next one, fetched ahead) gathered whole. The gathered weights are
-the checkpoint's bits, so the logits are those of the unsharded teacher for the same batch.
+Rank 0 alone reads the checkpoint, on the CPU; every other rank builds the same model on the
+meta device, which holds no memory (:func:`load_sharded`). :func:`shard_teacher` then shards it
+with ``torch.distributed.fsdp.fully_shard`` on its decoder layers and its root, each module
+moved to the build's device as it is sharded, and rank 0's weights are broadcast one tensor at
+a time, each rank keeping its shard. So a node's host memory holds one copy of the teacher at
+most (rank 0's, while it loads), a rank's device ``1/world`` of the weights at rest and, during
+a forward, the root's parameters (embeddings, head, final norm) and the layer being run (on GPUs
+also the next one, fetched ahead) gathered whole. The gathered weights are the checkpoint's
+bits, so the logits are those of the unsharded teacher for the same batch.
 
 A forward is then collective: every rank must run as many as every other, in step, or a rank
 waits in an all-gather that no other rank makes, until the process group's timeout.
@@ -54,6 +57,87 @@ def shard_teacher(model, device: torch.device, world: int):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     return next(model.parameters()).device
+
+
+def load_sharded(load, teacher_dir: str, dtype, device: torch.device, world: int):
+    """``(model, device)``: the teacher of ``teacher_dir`` sharded over the default process
+    group's ``world`` ranks (see the module's docstring), in eval mode, its shards on the
+    returned device. ``load(teacher_dir, dtype, "cpu")`` loads the checkpoint (rank 0 only).
+
+    Every rank learns from rank 0, in one broadcast, each parameter's and buffer's name and
+    dtype (the meta model is given those dtypes, so each shard holds rank 0's bits) or the error
+    that stopped rank 0's load; a rank whose model differs says so and every rank stops (one
+    all-reduce), before any shard is moved. Buffers outside the checkpoint (rotary frequencies)
+    are broadcast too."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank()
+    model, error, layout = None, None, [None]
+    if rank == 0:
+        try:
+            model = load(teacher_dir, dtype, "cpu")
+            layout = [_layout(model)]
+        except Exception as e:  # every rank stops with it
+            error, layout = e, [f"{type(e).__name__}: {e}"]
+    dist.broadcast_object_list(layout, src=0)
+    if error is not None:
+        raise error
+    if isinstance(layout[0], str):
+        raise RuntimeError(f"rank 0 could not load the teacher ({layout[0]}); rank {rank} "
+                           f"stops with it")
+    mismatch = None
+    if rank:
+        try:
+            model = _meta_model(teacher_dir, layout[0])
+            if _layout(model) != layout[0]:
+                mismatch = (f"rank {rank} built a model from {teacher_dir!r}'s config whose "
+                            f"parameters differ from those rank 0 loaded")
+        except Exception as e:  # noqa: BLE001  (said on every rank, below)
+            mismatch = (f"rank {rank} could not build the model of {teacher_dir!r}'s config: "
+                        f"{type(e).__name__}: {e}")
+    flag = torch.tensor([0 if mismatch is None else rank + 1], dtype=torch.int64,
+                        device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag) or mismatch:
+        raise RuntimeError(mismatch or f"rank {int(flag) - 1} did not build the teacher rank 0 "
+                                       f"loaded (its error is in its own output); rank {rank} "
+                                       f"stops with it")
+    full = model.state_dict() if rank == 0 else {}
+    placed = shard_teacher(model, device, world)
+    if rank:  # its shards are on meta: made on the device fully_shard would have moved them to
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        model.to_empty(device=device)
+        placed = device
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
+    del full
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    return model.eval(), placed
+
+
+def _layout(model) -> list:
+    """Each parameter's and buffer's name, shape and dtype, in the model's order."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
+
+
+def _meta_model(teacher_dir: str, layout: list):
+    """The model of ``teacher_dir``'s config on the meta device, each tensor in the dtype that
+    ``layout`` (rank 0's) gives it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(teacher_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dtypes = {name: getattr(torch, dtype.removeprefix("torch.")) for name, _, dtype in layout}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name in dtypes and tensor.dtype != dtypes[name]:
+            tensor.data = tensor.data.to(dtypes[name])
+    return model.eval()
 
 
 def dummy_forward(model, device: torch.device) -> None:
