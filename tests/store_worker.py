@@ -134,7 +134,7 @@ def cli_builds(directory: str, argvs: list) -> None:
 
         load = transformers.AutoModelForCausalLM.from_pretrained
 
-        def only_unsharded(*args, **kwargs):
+        def only_unsharded(*args, **kwargs):  # (``argv``: the build running now)
             assert "--shard-teacher" not in argv, "a rank > 0 read the sharded teacher"
             return load(*args, **kwargs)
 
