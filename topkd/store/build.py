@@ -323,7 +323,8 @@ def build_store(teacher_dir, data, out, *, k: int | None = None, samples: int | 
         shard_teacher: under ``torch.distributed`` with 2+ ranks, shard the teacher over the
             ranks with FSDP2 for inference (``fully_shard`` on its decoder layers and root,
             each layer gathered for its forward), each rank still its own samples: a teacher
-            larger than one device. Every rank loads the checkpoint on the CPU first. The
+            larger than one device. Rank 0 alone reads the checkpoint, on the CPU; the other
+            ranks take their shards of its weights by broadcast. The
             stored rows are those of the unsharded build (the gathered weights are the
             checkpoint's bits). With one rank the teacher runs unsharded.
         shard_bytes: a shard is written once its rows reach this many bytes.
