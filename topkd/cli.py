@@ -105,8 +105,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                        "else cpu; cuda:LOCAL_RANK under torchrun)")
     build.add_argument("--shard-teacher", action="store_true",
                        help="under torchrun, shard the teacher over the ranks with FSDP2 "
-                       "(each decoder layer gathered for its forward): a teacher larger "
-                       "than one device; the rows stored are the same (one rank: unsharded)")
+                       "(each decoder layer gathered for its forward; the checkpoint read "
+                       "by rank 0 alone): a teacher larger than one device; the rows stored "
+                       "are the same (one rank: unsharded)")
     build.add_argument("--shard-mib", type=_float_in("--shard-mib", 0.0, None), default=256.0,
                        metavar="MIB", help="write a shard every MIB MiB of rows (default 256)")
     build.add_argument("--no-tokens", action="store_true",
