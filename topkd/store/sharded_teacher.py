@@ -64,45 +64,33 @@ def load_sharded(load, teacher_dir: str, dtype, device: torch.device, world: int
     group's ``world`` ranks (see the module's docstring), in eval mode, its shards on the
     returned device. ``load(teacher_dir, dtype, "cpu")`` loads the checkpoint (rank 0 only).
 
-    Every rank learns from rank 0, in one broadcast, each parameter's and buffer's name and
-    dtype (the meta model is given those dtypes, so each shard holds rank 0's bits) or the error
-    that stopped rank 0's load; a rank whose model differs says so and every rank stops (one
-    all-reduce), before any shard is moved. Buffers outside the checkpoint (rotary frequencies)
-    are broadcast too."""
+    Every rank learns from rank 0, in one broadcast, each parameter's and buffer's name, shape
+    and dtype (the meta model is given those dtypes, so each shard holds rank 0's bits). A rank
+    whose load or model fails stops every rank through :meth:`Lockstep.agree` (its own error
+    there, one naming it elsewhere), before any shard is moved. Buffers outside the checkpoint
+    (rotary frequencies) are broadcast too."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     rank = dist.get_rank()
-    model, error, layout = None, None, [None]
+    lockstep, model, error = Lockstep(rank, device), None, None
     if rank == 0:
         try:
             model = load(teacher_dir, dtype, "cpu")
-            layout = [_layout(model)]
-        except Exception as e:  # every rank stops with it
-            error, layout = e, [f"{type(e).__name__}: {e}"]
+        except Exception as e:  # noqa: BLE001  (raised by agree, the other ranks naming it)
+            error = e
+    lockstep.agree(True, error)
+    layout = [_layout(model) if rank == 0 else None]
     dist.broadcast_object_list(layout, src=0)
-    if error is not None:
-        raise error
-    if isinstance(layout[0], str):
-        raise RuntimeError(f"rank 0 could not load the teacher ({layout[0]}); rank {rank} "
-                           f"stops with it")
-    mismatch = None
     if rank:
         try:
             model = _meta_model(teacher_dir, layout[0])
             if _layout(model) != layout[0]:
-                mismatch = (f"rank {rank} built a model from {teacher_dir!r}'s config whose "
-                            f"parameters differ from those rank 0 loaded")
-        except Exception as e:  # noqa: BLE001  (said on every rank, below)
-            mismatch = (f"rank {rank} could not build the model of {teacher_dir!r}'s config: "
-                        f"{type(e).__name__}: {e}")
-    flag = torch.tensor([0 if mismatch is None else rank + 1], dtype=torch.int64,
-                        device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag) or mismatch:
-        raise RuntimeError(mismatch or f"rank {int(flag) - 1} did not build the teacher rank 0 "
-                                       f"loaded (its error is in its own output); rank {rank} "
-                                       f"stops with it")
+                error = RuntimeError(f"rank {rank} built a model from {teacher_dir!r}'s config "
+                                     f"whose parameters differ from those rank 0 loaded")
+        except Exception as e:  # noqa: BLE001  (as above)
+            error = e
+    lockstep.agree(True, error)
     full = model.state_dict() if rank == 0 else {}
     placed = shard_teacher(model, device, world)
     if rank:  # its shards are on meta: made on the device fully_shard would have moved them to
