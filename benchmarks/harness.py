@@ -186,10 +186,31 @@ def threads_of(results, requested: int) -> int:
     return torch.get_num_threads()
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def cpu_capability() -> str | None:
+    """The vector ISA PyTorch's CPU kernels dispatch to ("AVX512", "AVX2", ...), or None."""
+    import torch
+
+    get = getattr(torch.backends.cpu, "get_cpu_capability", None)
+    return get() if get else None
+
+
 def run_meta(section: str, argv, t_start: float, load_start) -> dict:
     """The fields of a section's ``meta`` that describe the run itself."""
     prefix = "python -m benchmarks" + (f" {section}" if section else "")
     return {"python": platform.python_version(), "machine": platform.machine(),
+            "cpu_model": cpu_model(), "cpu_capability": cpu_capability(),
             "cpus": os.cpu_count(), "command": " ".join([prefix, *argv]),
             "total_s": time.perf_counter() - t_start, "loadavg_start": load_start,
             "loadavg_end": loadavg()}
@@ -516,8 +537,10 @@ def load_line(meta: dict) -> str | None:
     """The machine's load during the run, or None when the run did not record it."""
     if not (meta.get("loadavg_start") and meta.get("loadavg_end")):
         return None
-    return (f"{meta['cpus']} CPUs; load average (1 min) {meta['loadavg_start'][0]:.2f} at the "
-            f"start, {meta['loadavg_end'][0]:.2f} at the end; total {meta['total_s']:.0f} s.")
+    cpu = ", ".join(x for x in (meta.get("cpu_model"), meta.get("cpu_capability")) if x)
+    return (f"{meta['cpus']} CPUs" + (f" ({cpu})" if cpu else "")
+            + f"; load average (1 min) {meta['loadavg_start'][0]:.2f} at the start, "
+            f"{meta['loadavg_end'][0]:.2f} at the end; total {meta['total_s']:.0f} s.")
 
 
 def child_torch(args, result: dict):
