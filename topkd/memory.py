@@ -15,12 +15,17 @@ The rule, written once:
   least height (:func:`least_rows`).
 - **The teacher's selection** runs before the student's gradient exists: four times the
   budget for the logits losses, once for the fused ones (:data:`SELECT_FACTOR`).
-- **The fused losses** share ``min(512 MiB, max(1 MiB, logits bytes / 5))`` minus what one
+- **The fused losses** share ``min(512 MiB, max(64 MiB, logits bytes / 5))`` minus what one
   matrix product allocates while it runs (:func:`gemm_workspace`): a fifth for the float32
   work chunks (at least three buffers), the rest for the blocks of logits, which also hold
   the gradient stage (:func:`fused_rows`); the teacher's selection of a one-pass loss takes
-  the work chunks' share between them (:func:`fused_select`). Logits of at most 4 MiB (the
-  logits losses' least selection budget) run as one block and one chunk.
+  the work chunks' share between them (:func:`fused_select`). The 64 MiB floor
+  (:data:`FUSED_MIN_BYTES`) is set by the work, not the memory: below it the chunks and blocks
+  get so short that their fixed cost decides the time (512 tokens, V = 32,000: work chunks of
+  two rows, 2.4-2.9x the unfused loss's time on an AVX-512 CPU). So the fused peak is at most
+  0.25x the logits from 320 MiB of logits up (V = 248,320: from 675 tokens) and at most about
+  64 MiB below. Logits of at most 4 MiB (the logits losses' least selection budget) run as
+  one block and one chunk.
 """
 
 from __future__ import annotations
@@ -160,6 +165,8 @@ _TEACHER_BLOCK_DIVISOR = 4
 # selection budget) runs as one block and one chunk: a few MiB, where per-chunk overhead would
 # cost more than the memory saved.
 SMALL_FUSED_BYTES = SELECT_FACTOR * MIN_CHUNK_BYTES
+# The fused budget's floor: the logits losses' largest default chunk budget.
+FUSED_MIN_BYTES = DEFAULT_CHUNK_BYTES
 
 
 def fused_rows(cfg, sparse: bool, labels, chunk_bytes, widest: int, count: int,
@@ -178,11 +185,11 @@ def fused_rows(cfg, sparse: bool, labels, chunk_bytes, widest: int, count: int,
         return count, count, count if teacher_blocks else 0  # small: one block, one chunk
     total, work = chunk_bytes, None if chunk_bytes is None else chunk_bytes // _WORK_SHARE
     if total is None:
-        # By default at least 1 MiB, all of it for the work chunks if need be: at small shapes
-        # the per-chunk overhead, not the products' speed or the memory, is what counts;
-        # less where the products' workspace takes some of it.
+        # By default at least FUSED_MIN_BYTES: at small shapes the per-chunk overhead, not the
+        # products' speed or the memory, is what counts; less where the products' workspace
+        # takes some of it.
         total = min(_FUSED_CHUNK_BYTES, count * width * element // _FUSED_FRACTION)
-        total = max(total, MIN_CHUNK_BYTES) - gemm_workspace(dtype, device)
+        total = max(total, FUSED_MIN_BYTES) - gemm_workspace(dtype, device)
         work = max(total // _WORK_SHARE, min(MIN_CHUNK_BYTES, total))
     row_bytes = width * element * (1 + (1 / _TEACHER_BLOCK_DIVISOR if teacher_blocks else 0))
     per = least_rows(chunk_rows(work, width, count, element, buffers=buffers), cfg.backend)

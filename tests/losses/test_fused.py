@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import helpers
 import pytest
@@ -29,6 +30,7 @@ from helpers import (
 )
 
 import topkd
+from topkd import memory
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this file's folder, for its subprocess
 LEAD = (3, 5)  # 15 rows
@@ -632,10 +634,20 @@ MEMORY_CASES = {
 }
 
 
-def peak_ratio(case: str, impl: str = "eager") -> float:
+def peak_ratio(case: str, impl: str = "eager", floor: int = memory.MIN_CHUNK_BYTES) -> float:
     """Peak bytes above the inputs during forward + backward of a :data:`MEMORY_CASES` case,
     not counting the returned gradients and one float32 accumulator of the weight's shape,
-    over the bytes of the student logits [rows, V] in bf16."""
+    over the bytes of the student logits [rows, V] in bf16.
+
+    ``floor`` replaces the fused budget's floor (:data:`topkd.memory.FUSED_MIN_BYTES`): these
+    logits (31 MiB) are far below the 320 MiB from which the default budget is a fifth of the
+    logits, so the tests lower the floor to check that rule at a shape they can afford;
+    :func:`test_small_logits_take_the_floor` checks the floor itself."""
+    with mock.patch.object(memory, "FUSED_MIN_BYTES", floor):
+        return _peak_ratio(case, impl)
+
+
+def _peak_ratio(case: str, impl: str) -> float:
     loss, teacher, rows, chunk_bytes, options = MEMORY_CASES[case]
     h, w, b, t = _memory_inputs(teacher, rows)
     hidden = h.view(t.shape[0], t.shape[1], MEM_H) if teacher == "transposed" else h
@@ -685,6 +697,29 @@ def test_peak_memory_bound(case, impl, gemm):
     ratio = peak_ratio(case, impl)
     print(f"fused {case} {impl} {gemm}: {ratio:.3f} x logits")
     assert ratio <= MEM_BOUND, f"peak = {ratio:.3f} x the student logits"
+
+
+@pytest.mark.parametrize("case", ["topk-logits", "kl-pair"])
+def test_small_logits_take_the_floor(case, monkeypatch):
+    """By default a fused loss whose logits are under 320 MiB has the 64 MiB floor as its
+    budget, not a fifth of the logits (6 MiB here): its work chunks are 32 rows or more (not
+    two, whose fixed cost made these shapes 2.4-2.9x the unfused loss's time) and one block
+    holds every row; its peak stays within the floor."""
+    chunking = []
+
+    def spy(*args, **kwargs):
+        chunking.append(rows_of(*args, **kwargs))
+        return chunking[-1]
+
+    rows_of = memory.fused_rows
+    monkeypatch.setattr(memory, "fused_rows", spy)
+    ratio = peak_ratio(case, floor=memory.FUSED_MIN_BYTES)
+    per, block, teacher_block = chunking[-1]
+    assert per >= 32 and block >= MEM_ROWS, chunking
+    assert teacher_block == (block // 4 if case == "kl-pair" else 0), chunking
+    assert memory.FUSED_MIN_BYTES == 64 * 2**20
+    assert ratio * MEM_ROWS * MEM_V * 2 <= memory.FUSED_MIN_BYTES, ratio
+    assert ratio > MEM_BOUND, "the floor was not taken"  # it can fail: the rule is in force
 
 
 def test_peak_memory_bound_with_the_cpu_capped_at_avx2(tmp_path):
