@@ -423,6 +423,31 @@ def run_communication(group, rank, failures):
         failures.append(f"[communication] {e} stats={stats}")
 
 
+def run_sampled_selection(group, rank, failures):
+    """The teacher's selection where each shard is wide enough for the sampled threshold (the
+    other layouts' shards are not, but for K = 1): the merge of each rank's sampled candidates
+    equals one process's selection, bf16 ties and top-p included."""
+    world = dist.get_world_size(group)
+    sizes = [400 + 37 * r for r in range(world)]
+    start = sum(sizes[:rank])
+    k = 20
+    assert topkd.topk.sampled_plan(min(sizes), k + 1) is not None
+    for dtype, opts in ((torch.float32, {}), (torch.bfloat16, dict(top_p=0.9, top_p_min_k=4))):
+        g = torch.Generator().manual_seed(11)
+        t = (torch.randn(6, sum(sizes), generator=g) * 3.0).to(dtype)
+        name = f"TP sampled select_topk {dtype} {opts}"
+        try:
+            st1 = topkd.select_topk(t, k, **opts)
+            stt = topkd.select_topk(t[:, start:start + sizes[rank]], k, process_group=group,
+                                    **opts)
+            assert torch.equal(stt.indices, st1.indices), f"indices\n{stt.indices}\n{st1.indices}"
+            torch.testing.assert_close(stt.logprobs, st1.logprobs, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(stt.rest_logprob, st1.rest_logprob, rtol=1e-6,
+                                       atol=1e-6)
+        except AssertionError as e:
+            failures.append(f"[{name}] {e}")
+
+
 def run_edge_cases(group, rank, failures):
     """Zero rows; bad inputs raise ValueError on every rank (no rank left in a collective)."""
     world = dist.get_world_size(group)
@@ -512,6 +537,7 @@ def worker(rank, world, plan, result_dir):
             run_communication(group, rank, failures)
         if plan.get("edge_cases", True):
             run_edge_cases(group, rank, failures)
+            run_sampled_selection(group, rank, failures)
         fused = plan.get("fused", ())
         if fused:
             import fused_tp_worker
