@@ -23,7 +23,7 @@ The rule, written once:
   (:data:`FUSED_MIN_BYTES`) is set by the work, not the memory: below it the chunks and blocks
   get so short that their fixed cost decides the time (512 tokens, V = 32,000: work chunks of
   two rows, 2.4-2.9x the unfused loss's time on an AVX-512 CPU). So the fused peak is at most
-  0.25x the logits from 320 MiB of logits up (V = 248,320: from 675 tokens) and at most about
+  0.25x the logits from 320 MiB of logits up (V = 248,320: from 676 tokens) and at most about
   64 MiB below. Logits of at most 4 MiB (the logits losses' least selection budget) run as
   one block and one chunk.
 """
