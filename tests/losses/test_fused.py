@@ -642,7 +642,7 @@ def peak_ratio(case: str, impl: str = "eager", floor: int = memory.MIN_CHUNK_BYT
     ``floor`` replaces the fused budget's floor (:data:`topkd.memory.FUSED_MIN_BYTES`): these
     logits (31 MiB) are far below the 320 MiB from which the default budget is a fifth of the
     logits, so the tests lower the floor to check that rule at a shape they can afford;
-    :func:`test_small_logits_take_the_floor` checks the floor itself."""
+    :func:`test_peak_memory_of_small_logits_at_the_floor` checks the floor itself."""
     with mock.patch.object(memory, "FUSED_MIN_BYTES", floor):
         return _peak_ratio(case, impl)
 
@@ -700,7 +700,7 @@ def test_peak_memory_bound(case, impl, gemm):
 
 
 @pytest.mark.parametrize("case", ["topk-logits", "kl-pair"])
-def test_small_logits_take_the_floor(case, monkeypatch):
+def test_peak_memory_of_small_logits_at_the_floor(case, monkeypatch):
     """By default a fused loss whose logits are under 320 MiB has the 64 MiB floor as its
     budget, not a fifth of the logits (6 MiB here): its work chunks are 32 rows or more (not
     two, whose fixed cost made these shapes 2.4-2.9x the unfused loss's time) and one block
