@@ -1,0 +1,55 @@
+"""The benchmark harness: what every section records about the machine it ran on
+(``run_meta``) and prints under its table (``load_line``), and how it reads a peak from the
+profiler's allocator events (``running_peak``)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from benchmarks import harness
+
+
+def test_run_meta_names_the_cpu_and_its_isa():
+    meta = harness.run_meta("core", ["--rows", "8"], 0.0, harness.loadavg())
+    assert meta["command"] == "python -m benchmarks core --rows 8"
+    assert meta["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if sys.platform.startswith("linux"):
+        with open("/proc/cpuinfo") as f:
+            names = {line.split(":", 1)[1].strip() for line in f if line.startswith("model name")}
+        assert meta["cpu_model"] in names
+    line = harness.load_line(meta)
+    assert line.startswith(f"{meta['cpus']} CPUs (")
+    assert meta["cpu_capability"] in line and "load average" in line
+
+
+def test_load_line_without_the_cpu_fields():
+    """A JSON saved before the CPU was recorded still prints."""
+    meta = {"cpus": 2, "loadavg_start": [1.0, 1.0, 1.0], "loadavg_end": [2.0, 1.0, 1.0],
+            "total_s": 10.0}
+    assert harness.load_line(meta) == ("2 CPUs; load average (1 min) 1.00 at the start, 2.00 at "
+                                       "the end; total 10 s.")
+
+
+MiB = 2**20
+
+
+def _events(*steps):
+    """``allocations``-shaped events from ``(ptr, signed bytes)`` steps, in order."""
+    return [(i, i, ptr, size, ()) for i, (ptr, size) in enumerate(steps)]
+
+
+def test_running_peak_is_the_running_sum():
+    events = _events((1, 10 * MiB), (2, 5 * MiB), (1, -10 * MiB), (3, 8 * MiB), (9, -2 * MiB))
+    assert harness.running_peak(events) == (15 * MiB, 11 * MiB)
+
+
+def test_running_peak_frees_what_a_reused_address_held():
+    """A block freed where the profiler does not see (no free event) leaves the sum when its
+    address is handed out again, not never: the peak is what was live, not an overcount."""
+    unseen = _events((1, 10 * MiB), (2, 10 * MiB), (1, 10 * MiB), (2, 10 * MiB), (3, 4 * MiB),
+                     (3, -4 * MiB))
+    assert harness.running_peak(unseen) == (24 * MiB, 20 * MiB)
+    plain_sum = max(sum(e[3] for e in unseen[:i + 1]) for i in range(len(unseen)))
+    assert plain_sum == 44 * MiB  # what summing the events alone would report
