@@ -40,9 +40,28 @@ def sort_keys(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def from_keys(keys: torch.Tensor):
     """``(values, indices)`` of :func:`sort_keys`' keys (a -0.0 comes back as +0.0)."""
+    return key_values(keys), NO_INDEX - (keys & 0xFFFFFFFF)
+
+
+def key_values(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 values of :func:`sort_keys`' keys."""
     ordered = (keys >> 32).int()
-    bits = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
-    return bits.view(torch.float32), NO_INDEX - (keys & 0xFFFFFFFF)
+    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).view(torch.float32)
+
+
+def candidate_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """:func:`sort_keys` of ``values`` at ``columns`` ``[r, c]``, and :data:`PAD_KEY` where a
+    column is -1 (padding; its value is ignored)."""
+    return torch.where(columns >= 0, sort_keys(values, columns), PAD_KEY)
+
+
+def rest_sum(keys: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+    """Per row, ``sum exp(value - center)`` over the keys at or below ``kth`` ``[r]`` (a key
+    of each row), ``center`` being ``kth``'s value (0 where it is not finite)."""
+    center = key_values(kth)
+    center = torch.where(torch.isfinite(center), center, 0.0)
+    rest = torch.exp(key_values(keys) - center[:, None])
+    return torch.where(keys <= kth[:, None], rest, 0.0).sum(-1)
 
 
 def canonical_order(values: torch.Tensor, indices: torch.Tensor):
@@ -95,8 +114,10 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     - ``scan(low, threshold, capacity)``: ``(columns, below)``: :func:`compact` of the entries
       ``b >= threshold``, and a callable giving each row's ``sum exp(b - threshold)`` over the
       entries below it (it may consume ``low``, so it runs last);
-    - ``values_at(low, columns)``: float32 ``b`` at ``columns`` ``[r, c]``;
-    - ``rounding_gap``: 0, or where ``values_at`` and ``scan`` may round ``b``
+    - ``keys_at(low, columns)``: :func:`candidate_keys` of ``b`` at ``columns`` ``[r, c]``
+      (-1: padding);
+    - ``rest_sum(keys, kth)``: :func:`rest_sum`;
+    - ``rounding_gap``: 0, or where ``keys_at`` and ``scan`` may round ``b``
       differently (separate compiled kernels with a transcendental softcap: vectorized and
       scalar ``tanh`` can differ in the last bits), the relative gap by which the rest's
       maximum must clear the threshold for the row to be done.
@@ -109,19 +130,16 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     stride, keep, capacity = plan
     threshold = kernels.threshold(low, stride, keep)
     columns, below = kernels.scan(low, threshold, capacity)
-    found = columns >= 0
-    count = found.sum(-1)
-    columns = columns.clamp_min(0)
-    keys = torch.where(found, sort_keys(kernels.values_at(low, columns), columns), PAD_KEY)
-    del columns, found
+    count = (columns >= 0).sum(-1)
+    keys = kernels.keys_at(low, columns)
+    del columns
     top = keys.topk(k, dim=-1, sorted=True).values  # padding sorts after every real entry
     values, indices = from_keys(top)
     rest_max = values[:, k - 1].contiguous()
     center = torch.where(torch.isfinite(rest_max), rest_max, 0.0)
-    candidates, _ = from_keys(keys)
-    rest = torch.where(keys <= top[:, k - 1:], torch.exp(candidates - center[:, None]), 0.0)
+    rest = kernels.rest_sum(keys, top[:, k - 1].contiguous())
     scale = torch.exp(threshold - center)
-    rest_logsum = torch.log(rest.sum(-1) + scale * below())
+    rest_logsum = torch.log(rest + scale * below())
     done = (count >= k) & (count <= capacity)
     gap = kernels.rounding_gap
     if gap:  # an entry the scan put below the threshold could read a few ulps above it

@@ -47,12 +47,13 @@ Fused student head (the logits made per block, the gradients of hidden, weight a
 Fused teacher head (the teacher's logits per block; its selection with a teacher scale and
 softcap): ``fused_topk-pair_bias-teacher_softcap-top_p``, ``fused_topk-pair_bias-T2*``
   (the one-pass loss selects per chunk), ``fused_kl-pair-*``
-Top-K selection (the sampled one, ``sample_threshold`` / ``threshold_scan`` / ``transformed``,
-where K is small next to the row; the exact one, ``read`` / ``log_sum_exp``, elsewhere and for
-rows the sample misleads): every ``topk*`` and ``fused_topk*`` case, and
-``test_select_compiled`` (K = 1 / K < V / K = V, T != 1, top-p with ``top_p_min_k``, bf16 and
-fp16 ties, a peaky teacher's exact ghost, -inf entries, vocabulary padding, rows the sample
-misleads among others in ``top_p-tiny-misled``) against eager and the float64 reference
+Top-K selection (the sampled one, ``sample_threshold`` / ``threshold_scan`` /
+``candidate_keys`` / ``rest_sum``, where K is small next to the row; the exact one, ``read`` /
+``log_sum_exp``, elsewhere and for rows the sample misleads): every ``topk*`` and
+``fused_topk*`` case, and ``test_select_compiled`` (K = 1 / K < V / K = V, T != 1, top-p with
+``top_p_min_k``, bf16 and fp16 ties, a peaky teacher's exact ghost, -inf entries, vocabulary
+padding, rows the sample misleads among others in ``top_p-tiny-misled``) against eager and the
+float64 reference
 One row per kernel call (run as two), chunks of every height: ``test_no_recompiles_*``,
 ``test_compiled_chunk_bytes_change_no_bit``
 
@@ -459,7 +460,7 @@ def _forbid_compiled(monkeypatch):
     """Make every compiled kernel raise, so a call that uses one fails."""
     for name in ("sparse_statistics", "sparse_gradient", "dense_statistics", "dense_terms",
                  "dense_gradient", "read", "log_sum_exp", "sample_threshold", "threshold_scan",
-                 "transformed", "accumulate_"):
+                 "candidate_keys", "rest_sum", "accumulate_"):
         def boom(*args, _name=name, **kwargs):
             raise AssertionError(f"compiled kernel {_name} ran")
 

@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from .. import topk
 from ..divergences import KL, has_own_terms
 from ..kernels import finite_or_zero
 from ..sources import empty
@@ -198,21 +199,24 @@ def _ce_gradient(grad, low, columns, labels, g_ce, ce_max, ce_sum, logit_scale, 
 # ---- Top-K / sparse teacher ---------------------------------------------------------------
 
 
-def kept_bias(columns: torch.Tensor, width: int) -> torch.Tensor:
-    """Float32 ``[r, width + 1]``: -inf at ``columns``, 0 elsewhere (made eagerly: a scatter
-    inside a compiled kernel, or a mask read through ``where``, keeps inductor's reduction
-    from vectorizing)."""
-    bias = torch.zeros(columns.shape[0], width + 1, device=columns.device)
-    return bias.scatter_(1, columns, NEG_INF)
+def kept_mask(columns: torch.Tensor, width: int) -> torch.Tensor:
+    """Int8 ``[r, width + 1]``: 1 at ``columns``, 0 elsewhere (made eagerly: a scatter inside
+    a compiled kernel keeps inductor's reduction from vectorizing; int8 is a quarter of a
+    float32 mask's bytes to fill and read)."""
+    mask = torch.zeros(columns.shape[0], width + 1, dtype=torch.int8, device=columns.device)
+    return mask.scatter_(1, columns, 1)
 
 
 @_compiled
-def sparse_statistics(low, columns, bias, labels, temperature, logit_scale, softcap, ce: bool):
+def sparse_statistics(low, columns, kept, labels, temperature, logit_scale, softcap, ce: bool):
     """``(selected [r, K], ghost max [r], ghost centered sum [r], *label statistics)`` of a
     chunk, as :func:`topkd.kernels.read` + :func:`~topkd.kernels.sparse_statistics` give;
-    ``bias`` is :func:`kept_bias` of ``columns``."""
+    ``kept`` is :func:`kept_mask` of ``columns``."""
     width = low.shape[1]
-    rest = _logits(low, logit_scale, softcap) / temperature + bias[:, :width]
+    # -inf at the kept entries by a minimum with -inf there and +inf elsewhere (arithmetic,
+    # which inductor vectorizes in a reduction where it does not vectorize ``where``)
+    bound = (0.5 - kept[:, :width].float()) * float("inf")
+    rest = torch.minimum(_logits(low, logit_scale, softcap) / temperature, bound)
     rest_max = rest.amax(-1)
     rest_sum = torch.exp(rest - _finite(rest_max)[:, None]).sum(-1)
     inside, values = _at(low, columns)
@@ -357,9 +361,14 @@ def threshold_scan(low, threshold, temperature, logit_scale, softcap, out):
 
 
 @_compiled
-def transformed(values, temperature, logit_scale, softcap):
-    """``logits / T`` of gathered raw values, as the kernels above compute it."""
-    return _logits(values, logit_scale, softcap) / temperature
+def candidate_keys(low, columns, temperature, logit_scale, softcap):
+    """:func:`topkd.topk.candidate_keys` of a chunk's ``logits / T`` at ``columns`` (-1:
+    padding), gathered, transformed and keyed in one pass."""
+    values = _logits(low.gather(1, columns.clamp_min(0)), logit_scale, softcap) / temperature
+    return topk.candidate_keys(values, columns)
+
+
+rest_sum = _compiled(topk.rest_sum)
 
 
 class _Sampled:
@@ -381,8 +390,13 @@ class _Sampled:
         above, below = threshold_scan(low, threshold, *self.options, flags)
         return compact(above.view(torch.bool), capacity), lambda: below
 
-    def values_at(self, low, columns):
-        return transformed(low.gather(1, columns), *self.options)
+    def keys_at(self, low, columns):
+        # (contiguous: compact's columns are a view, a doubled one-row chunk's are not)
+        return candidate_keys(low, columns.contiguous(), *self.options)
+
+    @staticmethod
+    def rest_sum(keys, kth):
+        return rest_sum(keys, kth)
 
 
 @_compiled
@@ -438,7 +452,7 @@ class CompiledBackend(Backend):
 
     def sparse_statistics(self, cfg, low, columns, label_columns, ce):
         selected, rest_max, rest_sum, *extra = sparse_statistics(
-            low, columns, kept_bias(columns, low.shape[1]), label_columns, cfg.temperature,
+            low, columns, kept_mask(columns, low.shape[1]), label_columns, cfg.temperature,
             cfg.logit_scale, cfg.softcap, ce)
         z_label, ce_norm = _label_extras(extra, label_columns, ce)
         return (low, columns, label_columns), (selected, rest_max, rest_sum, z_label, ce_norm)

@@ -163,8 +163,10 @@ class _Sampled:
         return columns, below
 
     @staticmethod
-    def values_at(b, columns):
-        return b.gather(1, columns)
+    def keys_at(b, columns):
+        return topk.candidate_keys(b.gather(1, columns.clamp_min(0)), columns)
+
+    rest_sum = staticmethod(topk.rest_sum)
 
 
 def _read_pair(cfg, low_s, low_t, label_columns):
