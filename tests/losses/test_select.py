@@ -178,6 +178,18 @@ def test_select_rows_the_sample_misleads():
             assert torch.equal(a[0], b[i])
 
 
+@pytest.mark.parametrize("size", [0, 5, 8, 3000, 3001, 4099])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.5, 1.0])
+def test_flat_nonzero_matches_nonzero(size, density):
+    """The compaction's word-at-a-time ``nonzero`` (sizes a multiple of 8) and its fallback
+    (the others, and a view whose offset is not) give ``nonzero``'s positions, for bool and
+    int8 flags."""
+    g = torch.Generator().manual_seed(size)
+    flags = torch.rand(size + 3, generator=g) < density
+    for view in (flags[:size], flags[3:], flags[:size].to(torch.int8)):
+        assert torch.equal(topk._flat_nonzero(view), view.nonzero()[:, 0]), (size, view.dtype)
+
+
 def test_compact_without_a_host_sync_agrees():
     """The candidates' compaction without a host sync (for GPUs) gives what the CPU's gives,
     but for a row with more than the capacity, which it leaves out whole."""
