@@ -17,7 +17,7 @@ import torch
 from . import _checks, backends, memory, parallel
 from .sources import LogitsSource, Scratch
 from .teacher import SparseTeacher
-from .topk import NO_INDEX, PAD_KEY, from_keys, sort_keys
+from .topk import NO_INDEX, PAD_KEY, from_keys, key_values, sort_keys
 
 
 def _local_candidates(source, k: int, temperature: float, valid: int, chunk_bytes, fused: bool,
@@ -134,7 +134,7 @@ def select_rows(source, k, top_p, top_p_min_k, temperature, vocab, shard, proces
     per = memory.merge_rows(chunk_bytes, n, shard.total, ranks, k, source.element_size, fused)
     for start, stop in memory.row_chunks(n, per):
         block = _merge(values[start:stop], indices[start:stop], rest_max[start:stop],
-                       rest_logsum[start:stop], k, top_p, top_p_min_k, process_group)
+                       rest_logsum[start:stop], k, top_p, top_p_min_k, process_group, backend)
         out_indices[start:stop], out_logprobs[start:stop], out_rest[start:stop] = block
 
     lead = source.lead_shape
@@ -147,14 +147,13 @@ def select_rows(source, k, top_p, top_p_min_k, temperature, vocab, shard, proces
     )
 
 
-def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group):
+def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group, backend):
     """Global top-K, normalizer, top-p and ghost for a block of rows from every rank's local
     candidates (``values``/``indices`` ``[b, K]`` in canonical order, the rest's ``(max,
-    log-sum)`` ``[b]``).
+    log-sum)`` ``[b]``); the element-wise steps run as ``backend``'s kernels.
 
     Returns ``(indices, logprobs, rest_logprob)`` for the block, identical on every rank.
     """
-    others = values[:, k:]  # candidates past the global K-th (none on one rank)
     if parallel.world_size(group) > 1:
         # One all-gather of each rank's candidates as their int64 sort keys (value bits and
         # index) bit-cast to float32, exactly; the global top K is one topk of the keys.
@@ -164,24 +163,43 @@ def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group)
         keys = packed[..., :2 * k].contiguous().view(torch.int64).flatten(1)
         top = keys.topk(k, dim=-1, sorted=True).values
         values, indices = from_keys(top)
-        others, _ = from_keys(torch.where(keys >= top[:, k - 1:], PAD_KEY, keys))  # -inf: kept
+        others = backend.kernel(_others)(keys, top[:, k - 1].contiguous())
         rest_max, rest_logsum = packed[..., 2 * k], packed[..., 2 * k + 1]
-    else:
+    else:  # no candidates past the K-th (a new empty tensor: one layout for the kernel)
+        others = values.new_empty(values.shape[0], 0)
         rest_max, rest_logsum = rest_max[:, None], rest_logsum[:, None]
 
-    # Everything relative to the row max, so a large common offset cancels exactly.
+    centered, rest, log_norm = backend.kernel(_normalize)(
+        values, others, rest_max.contiguous(), rest_logsum.contiguous())
+    logprobs = centered - log_norm
+    keep = _top_p_keep(logprobs, top_p, top_p_min_k)
+    rest_logprob = backend.kernel(_ghost)(centered, keep, rest, log_norm)
+    return (indices.masked_fill(~keep, -1), logprobs.masked_fill(~keep, float("-inf")),
+            rest_logprob)
+
+
+def _others(keys, kth):
+    """The values of the gathered candidates' ``keys`` ``[b, R K]`` past each row's K-th key
+    ``kth`` ``[b]``; -inf at those it keeps."""
+    return key_values(torch.where(keys >= kth[:, None], PAD_KEY, keys))
+
+
+def _normalize(values, others, rest_max, rest_logsum):
+    """``(centered [b, K], rest [b, R K + R], log-normalizer [b, 1])`` of the global top-K
+    ``values``, the candidates past them and each rank's rest ``(max, log-sum)`` ``[b, R]``:
+    everything relative to the row's maximum, so a large common offset cancels exactly."""
     top = values[:, :1]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     centered = values - top
     rest = torch.cat([others - top, (rest_max - top) + rest_logsum], -1)  # no rank kept these
     log_norm = torch.logsumexp(torch.cat([centered, rest], -1), dim=-1, keepdim=True)
-    logprobs = centered - log_norm
+    return centered, rest, log_norm
 
-    keep = _top_p_keep(logprobs, top_p, top_p_min_k)
+
+def _ghost(centered, keep, rest, log_norm):
+    """The ghost's log-probability ``[b]``: the entries not kept and the rest."""
     ghost = torch.cat([centered.masked_fill(keep, float("-inf")), rest], -1)
-    rest_logprob = torch.logsumexp(ghost, dim=-1) - log_norm[:, 0]
-    return (indices.masked_fill(~keep, -1), logprobs.masked_fill(~keep, float("-inf")),
-            rest_logprob)
+    return torch.logsumexp(ghost, dim=-1) - log_norm[:, 0]
 
 
 def _top_p_keep(logprobs: torch.Tensor, top_p: float | None, min_k: int) -> torch.Tensor:

@@ -110,6 +110,11 @@ class Backend:
         log-sum)``."""
         raise NotImplementedError
 
+    def kernel(self, fn):
+        """``fn``, a plain function of row-major tensors ``[r, ...]`` (an element-wise or
+        per-row step of the package), as this backend runs it: itself, or compiled."""
+        return fn
+
     def accumulator(self, like: torch.Tensor):
         """``add_(accumulator, product)``: adds a product tile (at most ``like``'s shape, any
         float dtype) into a float32 accumulator tile in place."""

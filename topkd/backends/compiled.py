@@ -512,8 +512,17 @@ class CompiledBackend(Backend):
         values, indices, rest_max = candidates_(b, k)
         return values, indices, rest_max, log_sum_exp(b, rest_max)
 
+    def kernel(self, fn):
+        return _kernel(fn)
+
     def accumulator(self, like):
         return accumulate_
+
+
+@functools.cache
+def _kernel(fn):
+    """:meth:`CompiledBackend.kernel`: one compiled kernel per function, made once."""
+    return _compiled(fn)
 
 
 COMPILED = CompiledBackend()
