@@ -368,9 +368,6 @@ def candidate_keys(low, columns, temperature, logit_scale, softcap):
     return topk.candidate_keys(values, columns)
 
 
-rest_sum = _compiled(topk.rest_sum)
-
-
 class _Sampled:
     """:func:`topkd.topk.sampled_top`'s kernels on a chunk in its own dtype: no float32 copy
     of it, and no host sync (:func:`topkd.topk.compact`)."""
@@ -396,7 +393,7 @@ class _Sampled:
 
     @staticmethod
     def rest_sum(keys, kth):
-        return rest_sum(keys, kth)
+        return _kernel(topk.rest_sum)(keys, kth)
 
 
 @_compiled
