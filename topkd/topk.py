@@ -162,17 +162,20 @@ def compact(above: torch.Tensor, capacity: int, sync_free: bool | None = None) -
         sync_free = above.device.type != "cpu" and _NONZERO_STATIC_OFF_CPU
     if not sync_free:
         flat = _flat_nonzero(above.view(-1))
-        count = torch.bincount(flat // width, minlength=rows)
+        row = flat // width
+        count = torch.bincount(row, minlength=rows)
     else:
         count = above.sum(-1)
         count = torch.where(count <= capacity, count, 0)
         above &= (count > 0)[:, None]
         flat = torch.nonzero_static(above.view(-1), size=rows * capacity, fill_value=-1)[:, 0]
-    found = flat >= 0
-    row = torch.where(found, flat // width, rows)  # the spare row ``rows`` takes the padding
+        # the spare row ``rows`` takes the padding
+        row = torch.where(flat >= 0, flat // width, rows)
     start = torch.cumsum(count, 0) - count
-    rank = torch.arange(flat.shape[0], device=flat.device) - start[row.clamp_max(rows - 1)]
-    rank = torch.where(found, rank, 0).clamp_max(capacity + 1)  # the spare column: past the
+    rank = torch.arange(flat.shape[0], device=flat.device)
+    rank -= start.index_select(0, row.clamp_max(rows - 1))
+    # a row's entries past capacity + 1 go to the spare column ``capacity + 1`` (dropped)
+    rank = torch.where(row < rows, rank, 0).clamp_max(capacity + 1)
     out = torch.full((rows + 1, capacity + 2), -1, dtype=torch.int64, device=flat.device)
     out.index_put_((row, rank), flat - row * width)
     return out[:rows, :capacity + 1]
@@ -186,8 +189,8 @@ def _flat_nonzero(flags: torch.Tensor) -> torch.Tensor:
         return flags.nonzero()[:, 0]
     words = flags.view(torch.int64)
     nonzero = words.nonzero()[:, 0]
-    at = words[nonzero].view(torch.int8).nonzero()[:, 0]
-    return (nonzero[at >> 3] << 3) | (at & 7)
+    at = words.index_select(0, nonzero).view(torch.int8).nonzero()[:, 0]
+    return (nonzero.index_select(0, at >> 3) << 3) | (at & 7)
 
 
 def _count_and_rank(row: torch.Tensor, rows: int):

@@ -433,6 +433,23 @@ def test_no_recompiles_at_default_chunks(loss):
     assert graphs[1:] == [graphs[0]] * (len(graphs) - 1), f"unique graphs after each: {graphs}"
 
 
+def test_factor_of_one_is_left_out():
+    """A kernel's temperature or logit scale of exactly 1 reaches it as None (its multiply or
+    divide left out, as eager leaves it out); any other value, and a softcap of 1 (not a
+    factor), reach it as given."""
+    from topkd.backends.compiled import _compiled
+
+    @_compiled
+    def probe(x, temperature, logit_scale, softcap):
+        seen = [temperature is None, logit_scale is None, softcap is None]
+        return x + torch.tensor(seen, dtype=x.dtype)
+
+    x = torch.zeros(2, 3)
+    assert probe(x, 1.0, 1, 1.0)[0].tolist() == [1, 1, 0]
+    assert probe(x, 2.0, 0.5, None)[0].tolist() == [0, 0, 1]
+    assert probe(x, 1.0 + 2**-20, 1.0, 3.0)[0].tolist() == [0, 1, 0]
+
+
 def test_recompile_counter_counts():
     """The counter above is live: a new dtype compiles new graphs."""
     before = counters["stats"]["unique_graphs"]

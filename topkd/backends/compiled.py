@@ -15,6 +15,7 @@ later processes start fast.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import torch
@@ -31,6 +32,8 @@ NEG_INF = float("-inf")
 # Variants (dtype, divergence, options, shape specializations) that one kernel may compile for
 # in a process; dynamo's own default (8) is shared by all callers of one code object.
 _RECOMPILE_LIMIT = 256
+# The kernels' arguments that only multiply or divide (see _compiled).
+_FACTORS = frozenset({"temperature", "logit_scale", "t_logit_scale"})
 
 
 # ---- whether this platform can compile ---------------------------------------------------
@@ -63,10 +66,17 @@ def _compiled(fn=None, *, rows: bool = True):
     ``rows``: every tensor argument and result is row-major ``[r, ...]``, and a call with one
     row runs as two (the row twice, the result's first row kept). A kernel built for a static
     size of one (dynamo specializes sizes 0 and 1) may sum a row in another order than the one
-    built for any height, and a row's result must not depend on how the rows were chunked."""
+    built for any height, and a row's result must not depend on how the rows were chunked.
+
+    A factor (an argument named in :data:`_FACTORS`: it only multiplies or divides) of exactly
+    1.0 is passed as None, and the kernel leaves its operation out, as the eager kernels do
+    (exact: ``x * 1 = x / 1 = x``). Dynamo passes a float as a tensor to the kernel, so
+    ``x / 1.0`` would otherwise run as a division per element."""
     if fn is None:
         return functools.partial(_compiled, rows=rows)
     state = {}
+    factors = [i for i, name in enumerate(inspect.signature(fn).parameters)
+               if name in _FACTORS]
 
     @functools.wraps(fn)
     def call(*args):
@@ -78,6 +88,8 @@ def _compiled(fn=None, *, rows: bool = True):
         # each would compile its own graph. Detached, every chunk is a plain tensor on the
         # same storage (in-place kernels still write through).
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        args = tuple(None if i in factors and isinstance(a, (int, float)) and a == 1 else a
+                     for i, a in enumerate(args))
         single = rows and next(a for a in args if isinstance(a, torch.Tensor)).shape[0] == 1
         if single:
             args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
@@ -140,20 +152,35 @@ def _nan_to_zero(x):
     return torch.fmax(x, zero) + torch.fmin(x, zero)
 
 
+def _times(x, factor):
+    """``x * factor``; ``x`` itself where the factor is None (one of 1.0, see :func:`_compiled`)."""
+    return x if factor is None else x * factor
+
+
+def _over(x, factor):
+    """``x / factor``; ``x`` itself where the factor is None (one of 1.0)."""
+    return x if factor is None else x / factor
+
+
+def _unit(factor):
+    return 1.0 if factor is None else factor
+
+
 def _logits(low, logit_scale, softcap):
     """The transformed logits in float32, as :func:`topkd.kernels.logits_` computes them."""
     z = low.float()
     if softcap is None:
-        return z * logit_scale
-    return torch.tanh(z * (logit_scale / softcap)) * softcap
+        return _times(z, logit_scale)
+    return torch.tanh(z * (_unit(logit_scale) / softcap)) * softcap
 
 
 def _derivative(low, logit_scale, softcap):
-    """d(transformed)/d(raw) at ``low``, as :func:`topkd.kernels.logits_grad_` computes it."""
+    """d(transformed)/d(raw) at ``low`` (None: 1), as :func:`topkd.kernels.logits_grad_`
+    computes it."""
     if softcap is None:
         return logit_scale
-    t = torch.tanh(low.float() * (logit_scale / softcap))
-    return (1.0 - t * t) * logit_scale
+    t = torch.tanh(low.float() * (_unit(logit_scale) / softcap))
+    return _times(1.0 - t * t, logit_scale)
 
 
 def _at(low, columns):
@@ -216,11 +243,12 @@ def sparse_statistics(low, columns, kept, labels, temperature, logit_scale, soft
     # -inf at the kept entries by a minimum with -inf there and +inf elsewhere (arithmetic,
     # which inductor vectorizes in a reduction where it does not vectorize ``where``)
     bound = (0.5 - kept[:, :width].float()) * float("inf")
-    rest = torch.minimum(_logits(low, logit_scale, softcap) / temperature, bound)
+    rest = torch.minimum(_over(_logits(low, logit_scale, softcap), temperature), bound)
     rest_max = rest.amax(-1)
     rest_sum = torch.exp(rest - _finite(rest_max)[:, None]).sum(-1)
     inside, values = _at(low, columns)
-    selected = torch.where(inside, _logits(values, logit_scale, softcap) / temperature, NEG_INF)
+    selected = _over(_logits(values, logit_scale, softcap), temperature)
+    selected = torch.where(inside, selected, NEG_INF)
     return (selected, rest_max, rest_sum, *_label_statistics(low, labels, logit_scale, softcap, ce))
 
 
@@ -239,17 +267,20 @@ def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, se
     has_rest = rest_sum > 0
     ghost = grad_norm * torch.exp(rest_max - row_max) / total
     ghost = ghost + torch.where(has_rest, grad_rest / rest_sum.clamp_min(1e-38), 0.0)
-    ghost = torch.where(has_rest, ghost, 0.0) / temperature
-    a = _logits(low, logit_scale, softcap) / temperature
+    ghost = _over(torch.where(has_rest, ghost, 0.0), temperature)
+    a = _over(_logits(low, logit_scale, softcap), temperature)
     grad = torch.exp(a - _finite(rest_max)[:, None]) * ghost[:, None]
     grad = _ce_gradient(grad, low, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    out[:, :width].copy_(grad * _derivative(low, logit_scale, softcap))
+    out[:, :width].copy_(_times(grad, _derivative(low, logit_scale, softcap)))
 
     kept = torch.exp(selected - row_max[:, None]) * (grad_norm / total)[:, None]
-    kept = (kept + grad_sel) / temperature
+    kept = _over(kept + grad_sel, temperature)
     inside, values = _at(low, columns)
     kept = _ce_gradient(kept, values, columns, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    return (kept * _derivative(values, logit_scale, softcap)).to(out.dtype), inside
+    return _times(kept, _derivative(values, logit_scale, softcap)).to(out.dtype), inside
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def scatter_kept(out, columns, kept, inside):
@@ -262,9 +293,10 @@ def scatter_kept(out, columns, kept, inside):
     anchor = torch.where(here, columns.gather(1, first), 0)
     value = torch.where(here, kept.gather(1, first), out[:, :1])
     columns, kept = torch.where(inside, columns, anchor), torch.where(inside, kept, value)
-    # (a CPU scatter_ into bf16/fp16 widens and narrows all of ``out``: 20x slower)
-    rows = torch.arange(0, out.numel(), out.shape[1], device=out.device)[:, None]
-    out.view(-1).index_put_(((columns + rows).view(-1),), kept.view(-1))
+    # as the integers of the same width: a bit copy (a CPU scatter_ into bf16/fp16 widens and
+    # narrows all of ``out``: 25x slower; an index_put_, 10x)
+    bits = _BITS[out.element_size()]
+    out.view(bits).scatter_(1, columns, kept.view(bits))
     return out
 
 
@@ -272,8 +304,8 @@ def scatter_kept(out, columns, kept, inside):
 
 
 def _both(low_s, low_t, temperature, logit_scale, softcap, t_logit_scale, t_softcap):
-    return (_logits(low_s, logit_scale, softcap) / temperature,
-            _logits(low_t, t_logit_scale, t_softcap) / temperature)
+    return (_over(_logits(low_s, logit_scale, softcap), temperature),
+            _over(_logits(low_t, t_logit_scale, t_softcap), temperature))
 
 
 @_compiled
@@ -325,9 +357,9 @@ def dense_gradient(divergence, low_s, low_t, labels, row_max, row_sum, h_sum, g_
     p, _, h = _terms(divergence, low_s, low_t, _finite(row_max), row_sum.log(), 1 / row_sum,
                      temperature, logit_scale, softcap, t_logit_scale, t_softcap)
     coef = g_kd * h_sum - g_norm_ce
-    grad = (h * g_kd[:, None] - p * coef[:, None]) / temperature
+    grad = _over(h * g_kd[:, None] - p * coef[:, None], temperature)
     grad = _ce_gradient(grad, low_s, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    out[:, :low_s.shape[1]].copy_(grad * _derivative(low_s, logit_scale, softcap))
+    out[:, :low_s.shape[1]].copy_(_times(grad, _derivative(low_s, logit_scale, softcap)))
     return out
 
 
@@ -338,14 +370,14 @@ def dense_gradient(divergence, low_s, low_t, labels, row_max, row_sum, h_sum, g_
 def read(low, temperature, logit_scale, softcap, out):
     """``logits / T`` of a chunk into the float32 buffer ``out`` (the exact selection sorts
     it)."""
-    return out.copy_(_logits(low, logit_scale, softcap) / temperature)
+    return out.copy_(_over(_logits(low, logit_scale, softcap), temperature))
 
 
 @_compiled
 def sample_threshold(sample, keep, temperature, logit_scale, softcap):
     """The ``keep``-th largest ``logits / T`` of each row of ``sample`` (a chunk's strided
     columns)."""
-    b = _logits(sample, logit_scale, softcap) / temperature
+    b = _over(_logits(sample, logit_scale, softcap), temperature)
     return torch.topk(b, keep, dim=-1, sorted=False).values.amin(-1)
 
 
@@ -354,7 +386,7 @@ def threshold_scan(low, threshold, temperature, logit_scale, softcap, out):
     """``(out, below [r])`` of a chunk's ``b = logits / T`` in one pass: ``out`` (int8 ``[r,
     W]``) 1 where ``b >= threshold`` (``[r]``), else 0 (inductor stores an int8 several times
     faster than a bool), and the row sum of ``exp(b - threshold)`` below it."""
-    b = _logits(low, logit_scale, softcap) / temperature
+    b = _over(_logits(low, logit_scale, softcap), temperature)
     above = b >= threshold[:, None]
     below = torch.where(above, 0.0, torch.exp(b - threshold[:, None])).sum(-1)
     return out.copy_(torch.where(above, 1.0, 0.0)), below  # (float: stored faster)
@@ -364,7 +396,8 @@ def threshold_scan(low, threshold, temperature, logit_scale, softcap, out):
 def candidate_keys(low, columns, temperature, logit_scale, softcap):
     """:func:`topkd.topk.candidate_keys` of a chunk's ``logits / T`` at ``columns`` (-1:
     padding), gathered, transformed and keyed in one pass."""
-    values = _logits(low.gather(1, columns.clamp_min(0)), logit_scale, softcap) / temperature
+    values = _over(_logits(low.gather(1, columns.clamp_min(0)), logit_scale, softcap),
+                   temperature)
     return topk.candidate_keys(values, columns)
 
 
