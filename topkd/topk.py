@@ -171,13 +171,12 @@ def compact(above: torch.Tensor, capacity: int, sync_free: bool | None = None) -
         flat = torch.nonzero_static(above.view(-1), size=rows * capacity, fill_value=-1)[:, 0]
         # the spare row ``rows`` takes the padding
         row = torch.where(flat >= 0, flat // width, rows)
-    start = torch.cumsum(count, 0) - count
-    rank = torch.arange(flat.shape[0], device=flat.device)
-    rank -= start.index_select(0, row.clamp_max(rows - 1))
-    # a row's entries past capacity + 1 go to the spare column ``capacity + 1`` (dropped)
-    rank = torch.where(row < rows, rank, 0).clamp_max(capacity + 1)
+    # each entry's rank in its row: its position less its row's first (the spare row's first
+    # is past every real entry); past capacity + 1, the spare column ``capacity + 1``
+    start = torch.cumsum(torch.cat([count.new_zeros(1), count]), 0)
+    rank = torch.arange(flat.shape[0], device=flat.device) - start.index_select(0, row)
     out = torch.full((rows + 1, capacity + 2), -1, dtype=torch.int64, device=flat.device)
-    out.index_put_((row, rank), flat - row * width)
+    out.index_put_((row, rank.clamp_max_(capacity + 1)), flat - row * width)
     return out[:rows, :capacity + 1]
 
 
