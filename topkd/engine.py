@@ -174,7 +174,9 @@ class SparsePath:
         chunk, or of all of them at once when the gradient waits for backward)."""
         labels = self.labels
         logq = stats.pop("logq_sel"), stats.pop("logq_rest")
-        stats["kd"], stats["grad_sel"], stats["grad_rest"] = self._buckets(stats, *logq)
+        stats["kd"], stats["grad_sel"], stats["grad_rest"] = self.backend.kernel(bucket_values)(
+            self.cfg.divergence, self.cfg.normalize == "topk", stats["selected"],
+            stats["row_max"], stats["total"], stats["rest_max"], stats["rest_sum"], *logq)
         if labels.labels is not None:
             has = labels.has(start, stop)
             if labels.folded:
@@ -189,30 +191,6 @@ class SparsePath:
         total += rest_sum * torch.exp(rest_max - row_max)
         return {"columns": columns.int(), "selected": selected, "row_max": row_max,
                 "total": total, "rest_max": rest_max, "rest_sum": rest_sum}
-
-    def _buckets(self, stats, logq_sel, logq_rest):
-        """Per-row KD over the buckets, and its gradient w.r.t. the student's bucket
-        log-probabilities (autograd over ``[r, K+1]``)."""
-        cfg = self.cfg
-        log_total = stats["total"].log()
-        logp_sel = (stats["selected"] - stats["row_max"][:, None]) - log_total[:, None]
-        logp_rest = ((stats["rest_max"] - stats["row_max"]) + stats["rest_sum"].log()
-                     - log_total)
-        with torch.enable_grad():
-            logp_sel.requires_grad_(True)
-            logp_rest.requires_grad_(True)
-            if cfg.normalize == "topk":
-                kd = cfg.divergence.buckets(_renormalize(logp_sel), _renormalize(logq_sel))
-            else:
-                kd = cfg.divergence.buckets(torch.cat([logp_sel, logp_rest[:, None]], -1),
-                                            torch.cat([logq_sel, logq_rest[:, None]], -1))
-            if not kd.requires_grad:  # a divergence that ignores the student (SkewKL(1))
-                return kd, torch.zeros_like(logp_sel), torch.zeros_like(logp_rest)
-            # normalize="topk" leaves logp_rest out: its gradient is zero.
-            grad_sel, grad_rest = torch.autograd.grad(kd.sum(), (logp_sel, logp_rest),
-                                                      allow_unused=True,
-                                                      materialize_grads=True)
-        return kd.detach(), grad_sel, grad_rest
 
     def refresh(self, start, stop, stats):
         low = self.student.low_chunk(start, stop, self.cfg.valid)
@@ -235,6 +213,32 @@ class SparsePath:
         return self.backend.sparse_gradient(self.cfg, state, stats,
                                             self._upstream(stats, g_kd, g_ce),
                                             self.labels.upstream(g_ce), dtype, out)
+
+
+def bucket_values(divergence, renormalize: bool, selected, row_max, total, rest_max, rest_sum,
+                  logq_sel, logq_rest):
+    """``(kd [r], grad_sel [r, K], grad_rest [r])``: per row, the KD over the buckets and its
+    gradient w.r.t. the student's bucket log-probabilities (by ``torch.func.grad``, so a
+    compiling backend fuses value and gradient into one kernel), from the combined statistics
+    (``selected`` ``[r, K]``, the others ``[r]``) and the teacher's ``logq_sel`` ``[r, K]`` and
+    ``logq_rest`` ``[r]``. ``renormalize`` (``normalize="topk"``): both sides renormalized
+    over the kept entries, the ghost left out (its gradient 0). A divergence that ignores the
+    student (``SkewKL(1)``) gets a zero gradient."""
+    log_total = total.log()
+    logp_sel = (selected - row_max[:, None]) - log_total[:, None]
+    logp_rest = (rest_max - row_max) + rest_sum.log() - log_total
+
+    def kd_of(logp_sel, logp_rest):
+        if renormalize:
+            kd = divergence.buckets(_renormalize(logp_sel), _renormalize(logq_sel))
+        else:
+            kd = divergence.buckets(torch.cat([logp_sel, logp_rest[:, None]], -1),
+                                    torch.cat([logq_sel, logq_rest[:, None]], -1))
+        return kd.sum(), kd
+
+    (grad_sel, grad_rest), kd = torch.func.grad(kd_of, argnums=(0, 1), has_aux=True)(
+        logp_sel, logp_rest)
+    return kd, grad_sel, grad_rest
 
 
 def _renormalize(logp: torch.Tensor) -> torch.Tensor:

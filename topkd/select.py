@@ -119,23 +119,31 @@ def select_rows(source, k, top_p, top_p_min_k, temperature, vocab, shard, proces
     values, local_idx, rest_max, rest_logsum = _local_candidates(
         source, k, temperature, shard.valid(vocab), chunk_bytes, fused, logit_scale, softcap,
         backend)
-    indices = local_idx + shard.offset
+    indices = local_idx + shard.offset if shard.offset else local_idx
     if values.shape[-1] < k:  # this shard is narrower than k: pad so every rank sends [n, k]
         pad = k - values.shape[-1]
         values = torch.cat([values, values.new_full((source.count, pad), float("-inf"))], -1)
         indices = torch.cat([indices, indices.new_full((source.count, pad), NO_INDEX)], -1)
 
     n, ranks = source.count, parallel.world_size(process_group)
-    out_indices = torch.empty(n, k, dtype=torch.int64, device=values.device)
-    out_logprobs = torch.empty(n, k, dtype=torch.float32, device=values.device)
-    out_rest = torch.empty(n, dtype=torch.float32, device=values.device)
     # Merge in row blocks so the gathered candidates ([block, ranks * K]) stay within budget;
     # the block size comes from numbers every rank shares (one all-gather per block).
     per = memory.merge_rows(chunk_bytes, n, shard.total, ranks, k, source.element_size, fused)
-    for start, stop in memory.row_chunks(n, per):
-        block = _merge(values[start:stop], indices[start:stop], rest_max[start:stop],
-                       rest_logsum[start:stop], k, top_p, top_p_min_k, process_group, backend)
-        out_indices[start:stop], out_logprobs[start:stop], out_rest[start:stop] = block
+
+    def merged(start, stop):
+        return _merge(values[start:stop], indices[start:stop], rest_max[start:stop],
+                      rest_logsum[start:stop], k, top_p, top_p_min_k, process_group, backend)
+
+    spans = list(memory.row_chunks(n, per))
+    if len(spans) == 1:  # one block: its results are the call's, no copy
+        out_indices, out_logprobs, out_rest = merged(0, n)
+    else:
+        out_indices = torch.empty(n, k, dtype=torch.int64, device=values.device)
+        out_logprobs = torch.empty(n, k, dtype=torch.float32, device=values.device)
+        out_rest = torch.empty(n, dtype=torch.float32, device=values.device)
+        for start, stop in spans:
+            out_indices[start:stop], out_logprobs[start:stop], out_rest[start:stop] = merged(
+                start, stop)
 
     lead = source.lead_shape
     return SparseTeacher(
@@ -174,6 +182,8 @@ def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group,
     logprobs = centered - log_norm
     keep = _top_p_keep(logprobs, top_p, top_p_min_k)
     rest_logprob = backend.kernel(_ghost)(centered, keep, rest, log_norm)
+    if top_p is None:  # every entry kept
+        return indices, logprobs, rest_logprob
     return (indices.masked_fill(~keep, -1), logprobs.masked_fill(~keep, float("-inf")),
             rest_logprob)
 

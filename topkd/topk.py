@@ -112,12 +112,12 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
 
     - ``threshold(low, stride, keep)``: per row, the ``keep``-th largest ``b`` of the
       ``stride``-th columns (float32 ``[r]``);
-    - ``scan(low, threshold, capacity)``: ``(columns, below)``: :func:`compact` of the entries
-      ``b >= threshold``, and a callable giving each row's ``sum exp(b - threshold)`` over the
-      entries below it (it may consume ``low``, so it runs last);
+    - ``scan(low, threshold, capacity)``: ``(columns, count, below)``: :func:`compact` of the
+      entries ``b >= threshold``, and a callable giving each row's ``sum exp(b - threshold)``
+      over the entries below it (it may consume ``low``, so it runs last);
     - ``keys_at(low, columns)``: :func:`candidate_keys` of ``b`` at ``columns`` ``[r, c]``
       (-1: padding);
-    - ``rest_sum(keys, kth)``: :func:`rest_sum`;
+    - ``finish``: :func:`sampled_finish`, as the backend runs it (a kernel);
     - ``rounding_gap``: 0, or where ``keys_at`` and ``scan`` may round ``b``
       differently (separate compiled kernels with a transcendental softcap: vectorized and
       scalar ``tanh`` can differ in the last bits), the relative gap by which the rest's
@@ -130,28 +130,34 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     """
     stride, keep, capacity = plan
     threshold = kernels.threshold(low, stride, keep)
-    columns, below = kernels.scan(low, threshold, capacity)
-    count = (columns >= 0).sum(-1)
+    columns, count, below = kernels.scan(low, threshold, capacity)
     keys = kernels.keys_at(low, columns)
     del columns
     top = keys.topk(k, dim=-1, sorted=True).values  # padding sorts after every real entry
+    return kernels.finish(keys, top, threshold, below(), count, capacity, kernels.rounding_gap)
+
+
+def sampled_finish(keys, top, threshold, below, count, capacity: int, gap: float):
+    """:func:`sampled_top`'s result from the candidates' ``keys`` ``[r, c]``, their sorted top
+    ``k`` ``top`` ``[r, k]``, the ``threshold`` ``[r]``, the sum ``below`` it ``[r]`` (relative
+    to it) and the candidates' ``count`` ``[r]``; ``gap``: the kernels' ``rounding_gap``."""
+    k = top.shape[1]
     values, indices = from_keys(top)
-    rest_max = values[:, k - 1].contiguous()
+    rest_max = values[:, k - 1]
     center = torch.where(torch.isfinite(rest_max), rest_max, 0.0)
-    rest = kernels.rest_sum(keys, top[:, k - 1].contiguous())
-    scale = torch.exp(threshold - center)
-    rest_logsum = torch.log(rest + scale * below())
+    rest = rest_sum(keys, top[:, k - 1])
+    rest_logsum = torch.log(rest + torch.exp(threshold - center) * below)
     done = (count >= k) & (count <= capacity)
-    gap = kernels.rounding_gap
     if gap:  # an entry the scan put below the threshold could read a few ulps above it
         done &= rest_max > threshold + threshold.abs() * gap
     return values[:, :k - 1], indices[:, :k - 1], rest_max, rest_logsum, done
 
 
-def compact(above: torch.Tensor, capacity: int, sync_free: bool | None = None) -> torch.Tensor:
-    """Int64 ``[r, capacity + 1]``: each row's first ``capacity + 1`` columns where ``above``
-    (bool ``[r, W]``) is True, ascending, -1 padded (a full row has more than
-    ``capacity``). ``above`` may be consumed.
+def compact(above: torch.Tensor, capacity: int, sync_free: bool | None = None):
+    """``(columns, count)``: int64 ``[r, capacity + 1]``, each row's first ``capacity + 1``
+    columns where ``above`` (bool ``[r, W]``) is True, ascending, -1 padded (a full row has
+    more than ``capacity``), and int64 ``[r]``, how many each row has (0 for a row left
+    out). ``above`` may be consumed.
 
     ``sync_free`` (by default: off a CPU, with a PyTorch whose ``nonzero_static`` runs there)
     finds them without a host sync, by one ``nonzero_static`` of at most ``capacity`` entries
@@ -177,7 +183,7 @@ def compact(above: torch.Tensor, capacity: int, sync_free: bool | None = None) -
     rank = torch.arange(flat.shape[0], device=flat.device) - start.index_select(0, row)
     out = torch.full((rows + 1, capacity + 2), -1, dtype=torch.int64, device=flat.device)
     out.index_put_((row, rank.clamp_max_(capacity + 1)), flat - row * width)
-    return out[:rows, :capacity + 1]
+    return out[:rows, :capacity + 1], count
 
 
 def _flat_nonzero(flags: torch.Tensor) -> torch.Tensor:

@@ -48,8 +48,8 @@ Fused teacher head (the teacher's logits per block; its selection with a teacher
 softcap): ``fused_topk-pair_bias-teacher_softcap-top_p``, ``fused_topk-pair_bias-T2*``
   (the one-pass loss selects per chunk), ``fused_kl-pair-*``
 Top-K selection (the sampled one, ``sample_threshold`` / ``threshold_scan`` /
-``candidate_keys`` / ``rest_sum``, where K is small next to the row; the exact one, ``read`` /
-``log_sum_exp``, elsewhere and for rows the sample misleads): every ``topk*`` and
+``candidate_keys`` / ``sampled_finish``, where K is small next to the row; the exact one,
+``read`` / ``log_sum_exp``, elsewhere and for rows the sample misleads): every ``topk*`` and
 ``fused_topk*`` case, and ``test_select_compiled`` (K = 1 / K < V / K = V, T != 1, top-p with
 ``top_p_min_k``, bf16 and fp16 ties, a peaky teacher's exact ghost, -inf entries, vocabulary
 padding, rows the sample misleads among others in ``top_p-tiny-misled``) against eager and the
@@ -242,6 +242,18 @@ def test_compile_equals_eager(case):
                  case)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_one_row_equals_eager(dtype):
+    """A call of one row (each kernel runs on the row twice; the gradient kernels write the
+    caller's rows in place, which must get the first row back) equals eager."""
+    d = _data(dtype, lead=(1,), seed=3)
+    for loss in ("topk_kl_loss", "kl_loss"):
+        for reduction in ("none", "sum"):
+            assert_agree(_call(loss, d, "eager", reduction=reduction),
+                         _call(loss, d, "compile", reduction=reduction),
+                         f"{loss}, one row, {reduction}")
+
+
 def test_agreement_check_can_fail():
     """The comparison above fails on a change above its tolerances (a check that could not
     fail would prove nothing)."""
@@ -292,6 +304,9 @@ SELECT_CASES = {
     "peaky": (F32, 8, 1000, 16, {}, "peaky"),
     "neg_inf": (F32, 6, 64, 30, {}, "neg_inf"),
     "vocab_size": (F32, 4, 128, 10, dict(vocab_size=100), "padding"),
+    # K large enough for the sample's threshold from pivots (compiled._pivot_ranks)
+    "pivots-misled-T1.5": (F32, 8, 100_000, 2000, dict(temperature=1.5), "misled"),
+    "pivots-bf16-ties": (BF16, 6, 100_000, 2000, {}, None),
 }
 
 
@@ -314,6 +329,33 @@ def _select_teacher(dtype, rows, width, transform):
     elif transform == "padding":
         t[:, 100:] = 50.0  # would win every selection if they were looked at
     return t
+
+
+def test_sample_threshold_is_the_highest_pivot_with_keep():
+    """With pivots (a large ``keep``), the compiled sample threshold of each row is the highest
+    pivot (sorted top values of every 4th entry, at the planned ranks) with at least ``keep``
+    of the row at or above it, the last pivot where none has: rows of random values, a
+    constant row, a row half -inf, a row whose largest values sit in the 4th entries."""
+    from topkd.backends import compiled
+
+    g = torch.Generator().manual_seed(11)
+    sample = torch.randn(6, 8000, generator=g) * 3
+    sample[3] = 0.5
+    sample[4, :4000] = NEG_INF
+    sample[5, ::4] += 20.0
+    keep = 300
+    pivots = compiled._pivot_ranks(sample.shape[1], keep)
+    assert pivots is not None and compiled._pivot_ranks(sample.shape[1], 140) is None
+    got = compiled.sample_threshold(sample, keep, pivots, 1.0, 1.0, None)
+    lo, hi, step = pivots
+    for row, t in zip(sample, got, strict=True):
+        top = row[::4].sort(descending=True).values[lo:hi:step]
+        enough = ((row[None, :] >= top[:, None]).sum(-1) >= keep).nonzero()[:, 0]
+        want = top[enough[0]] if len(enough) else top[-1]
+        assert t == want, (t, want)
+    counts = (sample >= got[:, None]).sum(-1)
+    assert (counts[:5] >= keep).all() and counts[3] == sample.shape[1]
+    assert (counts[:3] < keep + 6 * 4 * pivots[2]).all(), counts
 
 
 @pytest.mark.parametrize("case", SELECT_CASES)
@@ -566,9 +608,9 @@ def test_compiled_gradient_chunk_is_not_float32_for_bf16(monkeypatch):
     real = topkd.backends.compiled.sparse_gradient
 
     def spy(*args):  # the kernel writes into its last argument and returns the kept entries
-        kept, inside = real(*args)
+        columns, kept = real(*args)
         seen.extend((args[-1].dtype, kept.dtype))
-        return kept, inside
+        return columns, kept
 
     monkeypatch.setattr(topkd.backends.compiled, "sparse_gradient", spy)
     d = _data(BF16)

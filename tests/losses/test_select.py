@@ -198,9 +198,11 @@ def test_compact_without_a_host_sync_agrees():
     above[2] = True  # over the capacity
     above[4] = False
     capacity = 80
-    cpu = topk.compact(above.clone(), capacity, sync_free=False)
-    free = topk.compact(above.clone(), capacity, sync_free=True)
+    cpu, cpu_count = topk.compact(above.clone(), capacity, sync_free=False)
+    free, free_count = topk.compact(above.clone(), capacity, sync_free=True)
     assert cpu.shape == free.shape == (6, capacity + 1)
+    assert torch.equal(cpu_count, above.sum(-1))
+    assert torch.equal(free_count, torch.where(above.sum(-1) <= capacity, above.sum(-1), 0))
     assert torch.equal(cpu[2], torch.arange(capacity + 1)) and (free[2] == -1).all()
     keep = torch.tensor([0, 1, 3, 4, 5])
     assert torch.equal(cpu[keep], free[keep])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 
 import torch
 
@@ -64,9 +65,13 @@ def _compiled(fn=None, *, rows: bool = True):
     limit of its own.
 
     ``rows``: every tensor argument and result is row-major ``[r, ...]``, and a call with one
-    row runs as two (the row twice, the result's first row kept). A kernel built for a static
-    size of one (dynamo specializes sizes 0 and 1) may sum a row in another order than the one
-    built for any height, and a row's result must not depend on how the rows were chunked.
+    row runs as two (the row twice, the result's first row kept, and the first row of the
+    argument named ``out``, which a kernel writes in place, copied back into the caller's). A
+    kernel built for a static size of one (dynamo specializes sizes 0 and 1) may sum a row in
+    another order than the one built for any height, and a row's result must not depend on
+    how the rows were chunked. A tensor expanded along its rows (a per-row upstream gradient
+    of a sum) is passed as a copy: dynamo guards on strides, and a one-row tensor's may be
+    anything, so every height sees one layout.
 
     A factor (an argument named in :data:`_FACTORS`: it only multiplies or divides) of exactly
     1.0 is passed as None, and the kernel leaves its operation out, as the eager kernels do
@@ -75,8 +80,9 @@ def _compiled(fn=None, *, rows: bool = True):
     if fn is None:
         return functools.partial(_compiled, rows=rows)
     state = {}
-    factors = [i for i, name in enumerate(inspect.signature(fn).parameters)
-               if name in _FACTORS]
+    names = list(inspect.signature(fn).parameters)
+    factors = [i for i, name in enumerate(names) if name in _FACTORS]
+    written = names.index("out") if "out" in names else None
 
     @functools.wraps(fn)
     def call(*args):
@@ -87,22 +93,32 @@ def _compiled(fn=None, *, rows: bool = True):
         # of the logits or not (the whole tensor, a copy), of one base height or another, so
         # each would compile its own graph. Detached, every chunk is a plain tensor on the
         # same storage (in-place kernels still write through).
-        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        args = tuple(_plain(a) if isinstance(a, torch.Tensor) else a for a in args)
         args = tuple(None if i in factors and isinstance(a, (int, float)) and a == 1 else a
                      for i, a in enumerate(args))
         single = rows and next(a for a in args if isinstance(a, torch.Tensor)).shape[0] == 1
+        given = args
         if single:
             args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
         with torch._dynamo.config.patch(_recompile_limits()):
             out = state["fn"](*args)
         if not single:
             return out
+        if written is not None and given[written] is not None:
+            given[written].copy_(args[written][:1])
         if isinstance(out, torch.Tensor):
             return out[:1]
         return tuple(x[:1] for x in out)
 
     call.eager = fn
     return call
+
+
+def _plain(a: torch.Tensor) -> torch.Tensor:
+    """``a`` detached, and contiguous where it is expanded along its rows (see
+    :func:`_compiled`)."""
+    a = a.detach()
+    return a.contiguous() if a.dim() and a.shape[0] > 1 and a.stride(0) == 0 else a
 
 
 def _recompile_limits() -> dict:
@@ -256,45 +272,48 @@ def sparse_statistics(low, columns, kept, labels, temperature, logit_scale, soft
 def sparse_gradient(low, columns, labels, row_max, total, rest_max, rest_sum, selected,
                     grad_sel, grad_norm, grad_rest, g_ce, ce_max, ce_sum, temperature, logit_scale,
                     softcap, out):
-    """``(kept [r, K], inside [r, K] bool)``, having written the chunk's ``d loss / d (raw
-    logits)`` at every column as if none were kept into ``out`` ``[r, >= W]`` (its dtype;
-    columns past ``W`` untouched): ghost entries in one pass over the chunk, as
+    """``(columns [r, K], kept [r, K])`` for :func:`scatter_kept`, having written the chunk's
+    ``d loss / d (raw logits)`` at every column as if none were kept into ``out`` ``[r, >= W]``
+    (its dtype; columns past ``W`` untouched): ghost entries in one pass over the chunk, as
     :func:`~topkd.kernels.sparse_gradient_` and the CE and transform steps after it give.
-    ``kept``: the gradient at ``columns`` in ``out``'s dtype, for :func:`scatter_kept` (inside
-    the kernel the scatter made inductor write the chunk three times: to a buffer, to a
-    functional copy of ``out``, then to ``out``)."""
-    width = low.shape[1]
+    ``kept``: the gradient at the kept entries' ``columns`` in ``out``'s dtype. A kept entry
+    elsewhere (another shard's, at the spare column ``W``) becomes a copy of the row's first
+    one here, column and value; in a row with none here, column 0 and the value written there.
+    (A scatter inside the kernel made inductor write the chunk three times: to a buffer, to a
+    functional copy of ``out``, then to ``out``.)"""
     has_rest = rest_sum > 0
     ghost = grad_norm * torch.exp(rest_max - row_max) / total
     ghost = ghost + torch.where(has_rest, grad_rest / rest_sum.clamp_min(1e-38), 0.0)
     ghost = _over(torch.where(has_rest, ghost, 0.0), temperature)
-    a = _over(_logits(low, logit_scale, softcap), temperature)
-    grad = torch.exp(a - _finite(rest_max)[:, None]) * ghost[:, None]
-    grad = _ce_gradient(grad, low, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    out[:, :width].copy_(_times(grad, _derivative(low, logit_scale, softcap)))
+
+    def dense(low):  # the gradient at the columns of ``low`` (the chunk's first ones)
+        a = _over(_logits(low, logit_scale, softcap), temperature)
+        grad = torch.exp(a - _finite(rest_max)[:, None]) * ghost[:, None]
+        grad = _ce_gradient(grad, low, None, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
+        return _times(grad, _derivative(low, logit_scale, softcap)).to(out.dtype)
+
+    out[:, :low.shape[1]].copy_(dense(low))
 
     kept = torch.exp(selected - row_max[:, None]) * (grad_norm / total)[:, None]
     kept = _over(kept + grad_sel, temperature)
     inside, values = _at(low, columns)
     kept = _ce_gradient(kept, values, columns, labels, g_ce, ce_max, ce_sum, logit_scale, softcap)
-    return _times(kept, _derivative(values, logit_scale, softcap)).to(out.dtype), inside
+    kept = _times(kept, _derivative(values, logit_scale, softcap)).to(out.dtype)
+    first = inside.int().argmax(-1, keepdim=True)
+    here = inside.any(-1, keepdim=True)
+    anchor = torch.where(here, columns.gather(1, first), 0)
+    value = torch.where(here, kept.gather(1, first), dense(low[:, :1]))
+    return torch.where(inside, columns, anchor), torch.where(inside, kept, value)
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def scatter_kept(out, columns, kept, inside):
-    """``out`` (contiguous: the sink's rows or a new chunk) with the kept entries' gradient
-    ``kept`` written at ``columns`` where ``inside`` (eager, ``[r, K]``). Kept entries
-    elsewhere (another shard's) are written as a copy of the row's first one here, with its
-    value; a row with none here rewrites column 0 with the value it holds."""
-    first = inside.int().argmax(-1, keepdim=True)
-    here = inside.any(-1, keepdim=True)
-    anchor = torch.where(here, columns.gather(1, first), 0)
-    value = torch.where(here, kept.gather(1, first), out[:, :1])
-    columns, kept = torch.where(inside, columns, anchor), torch.where(inside, kept, value)
-    # as the integers of the same width: a bit copy (a CPU scatter_ into bf16/fp16 widens and
-    # narrows all of ``out``: 25x slower; an index_put_, 10x)
+def scatter_kept(out, columns, kept):
+    """``out`` (contiguous: the sink's rows or a new chunk) with ``kept`` written at
+    ``columns`` (``[r, K]``, as :func:`sparse_gradient` gives them), eagerly, as the integers
+    of the same width: a bit copy (a CPU ``scatter_`` into bf16/fp16 widens and narrows all of
+    ``out``: 25x slower; an ``index_put_``, 10x)."""
     bits = _BITS[out.element_size()]
     out.view(bits).scatter_(1, columns, kept.view(bits))
     return out
@@ -373,12 +392,47 @@ def read(low, temperature, logit_scale, softcap, out):
     return out.copy_(_over(_logits(low, logit_scale, softcap), temperature))
 
 
+# The sample's threshold from pivots: the sorted top values of every _SUBSAMPLE-th entry of the
+# sample, at most _PIVOTS of them, around the rank the sample's keep-th largest has there, at
+# least _PIVOT_STEP ranks apart (closer, the sample's entries between two pivots vary too much).
+_SUBSAMPLE = 4
+_PIVOTS = 9
+_PIVOT_STEP = 6
+
+
+def _pivot_ranks(width: int, keep: int):
+    """``(lo, hi, step)``: the ranks ``range(lo, hi, step)`` of the pivots among the sorted
+    top values of every :data:`_SUBSAMPLE`-th of a sample's ``width`` entries, or None where
+    ``keep`` is too small for pivots :data:`_PIVOT_STEP` apart (below 147), or that
+    sub-sample too short. The sample's ``keep``-th largest has a rank there of about
+    ``Binomial(keep, 1/4)`` (mean ``keep / 4``, standard deviation ``sqrt(3 keep) / 4``); the
+    pivots span 4 standard deviations either side of it."""
+    mid, spread = keep // _SUBSAMPLE, math.isqrt(3 * keep) + 2
+    lo, hi = max(0, mid - spread), mid + spread + 1
+    step = -(-(hi - lo) // _PIVOTS)
+    if step < _PIVOT_STEP or hi > -(-width // _SUBSAMPLE):
+        return None
+    return lo, hi, step
+
+
 @_compiled
-def sample_threshold(sample, keep, temperature, logit_scale, softcap):
-    """The ``keep``-th largest ``logits / T`` of each row of ``sample`` (a chunk's strided
-    columns)."""
+def sample_threshold(sample, keep, pivots, temperature, logit_scale, softcap):
+    """A threshold per row of ``b = logits / T`` of ``sample`` (a chunk's strided columns) with
+    about ``keep`` of the row's entries at or above it: the highest pivot (see
+    :func:`_pivot_ranks`, ``pivots``) with at least ``keep`` (the last where none has), or
+    with ``pivots`` None the ``keep``-th largest. A sorted top of a quarter of the row and a
+    count per pivot cost a third of a top ``keep`` of the whole row; the selection is exact
+    for any threshold (it only sets how many candidates a row has)."""
     b = _over(_logits(sample, logit_scale, softcap), temperature)
-    return torch.topk(b, keep, dim=-1, sorted=False).values.amin(-1)
+    if pivots is None:
+        return torch.topk(b, keep, dim=-1, sorted=False).values.amin(-1)
+    lo, hi, step = pivots
+    top = torch.topk(b[:, ::_SUBSAMPLE], hi, dim=-1, sorted=True).values[:, lo::step]
+    # (a float sum of 0/1 is exact here and vectorizes; a sum of bools does not)
+    counts = torch.where(b[:, None, :] >= top[:, :, None], 1.0, 0.0).sum(-1)
+    enough = counts >= keep
+    first = torch.where(enough.any(-1), enough.int().argmax(-1), top.shape[1] - 1)
+    return top.gather(1, first[:, None])[:, 0]
 
 
 @_compiled
@@ -413,20 +467,22 @@ class _Sampled:
 
     def threshold(self, low, stride, keep):
         # (contiguous: a one-row chunk's sample, doubled, is; a kernel must see one layout)
-        return sample_threshold(low[:, ::stride].contiguous(), keep, *self.options)
+        sample = low[:, ::stride].contiguous()
+        return sample_threshold(sample, keep, _pivot_ranks(sample.shape[1], keep),
+                                *self.options)
 
     def scan(self, low, threshold, capacity):
         flags = empty(self.scratch, "select", *low.shape, torch.int8, low.device)
         above, below = threshold_scan(low, threshold, *self.options, flags)
-        return compact(above.view(torch.bool), capacity), lambda: below
+        return *compact(above.view(torch.bool), capacity), lambda: below
 
     def keys_at(self, low, columns):
         # (contiguous: compact's columns are a view, a doubled one-row chunk's are not)
         return candidate_keys(low, columns.contiguous(), *self.options)
 
     @staticmethod
-    def rest_sum(keys, kth):
-        return _kernel(topk.rest_sum)(keys, kth)
+    def finish(*args):
+        return _kernel(topk.sampled_finish)(*args)
 
 
 @_compiled
@@ -494,12 +550,12 @@ class CompiledBackend(Backend):
         low, columns, label_columns = state
         grad_sel, grad_norm, grad_rest = upstream
         out = _gradient_out(low, dtype, out)
-        kept, inside = sparse_gradient(
+        columns, kept = sparse_gradient(
             low, columns, label_columns, stats["row_max"], stats["total"], stats["rest_max"],
             stats["rest_sum"], stats["selected"], grad_sel, grad_norm, grad_rest, g_ce,
             stats.get("ce_max"), stats.get("ce_sum"), cfg.temperature, cfg.logit_scale,
             cfg.softcap, out)
-        return scatter_kept(out, columns, kept, inside)
+        return scatter_kept(out, columns, kept)
 
     # ---- full-vocabulary path
 
