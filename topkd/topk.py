@@ -110,8 +110,9 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
 
     ``kernels`` (a backend's) turns the chunk into its values ``b`` (``z / T``) as it goes:
 
-    - ``threshold(low, stride, keep)``: per row, the ``keep``-th largest ``b`` of the
-      ``stride``-th columns (float32 ``[r]``);
+    - ``threshold(low, stride, keep)``: per row, a value with about ``keep`` of the
+      ``stride``-th columns' ``b`` at or above it (float32 ``[r]``): their ``keep``-th
+      largest, or a value near it (any threshold gives the same exact result);
     - ``scan(low, threshold, capacity)``: ``(columns, count, below)``: :func:`compact` of the
       entries ``b >= threshold``, and a callable giving each row's ``sum exp(b - threshold)``
       over the entries below it (it may consume ``low``, so it runs last);

@@ -421,8 +421,8 @@ def sample_threshold(sample, keep, pivots, temperature, logit_scale, softcap):
     about ``keep`` of the row's entries at or above it: the highest pivot (see
     :func:`_pivot_ranks`, ``pivots``) with at least ``keep`` (the last where none has), or
     with ``pivots`` None the ``keep``-th largest. A sorted top of a quarter of the row and a
-    count per pivot cost a third of a top ``keep`` of the whole row; the selection is exact
-    for any threshold (it only sets how many candidates a row has)."""
+    count per pivot cost about half of a top ``keep`` of the whole row; the selection is
+    exact for any threshold (it only sets how many candidates a row has)."""
     b = _over(_logits(sample, logit_scale, softcap), temperature)
     if pivots is None:
         return torch.topk(b, keep, dim=-1, sorted=False).values.amin(-1)
