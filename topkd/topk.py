@@ -113,14 +113,14 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     - ``threshold(low, stride, keep)``: per row, a value with about ``keep`` of the
       ``stride``-th columns' ``b`` at or above it (float32 ``[r]``): their ``keep``-th
       largest, or a value near it (any threshold gives the same exact result);
-    - ``scan(low, threshold, capacity)``: ``(columns, count, below)``: :func:`compact` of the
-      entries ``b >= threshold``, and a callable giving each row's ``sum exp(b - threshold)``
-      over the entries below it (it may consume ``low``, so it runs last);
-    - ``keys_at(low, columns)``: :func:`candidate_keys` of ``b`` at ``columns`` ``[r, c]``
-      (-1: padding);
+    - ``scan(low, threshold, capacity)``: ``(keys, count, below)``: :func:`candidate_keys`
+      of ``b`` at :func:`compact`'s columns of the entries ``b >= threshold`` (``[r, c]``,
+      :data:`PAD_KEY` at its padding), how many each row has, and a callable giving each
+      row's ``sum exp(b - threshold)`` over the entries below it (it may consume ``low``, so
+      it runs last);
     - ``finish``: :func:`sampled_finish`, as the backend runs it (a kernel);
-    - ``rounding_gap``: 0, or where ``keys_at`` and ``scan`` may round ``b``
-      differently (separate compiled kernels with a transcendental softcap: vectorized and
+    - ``rounding_gap``: 0, or where the keys and the comparison with the threshold may round
+      ``b`` differently (separate compiled kernels with a transcendental softcap: vectorized and
       scalar ``tanh`` can differ in the last bits), the relative gap by which the rest's
       maximum must clear the threshold for the row to be done.
 
@@ -131,9 +131,7 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     """
     stride, keep, capacity = plan
     threshold = kernels.threshold(low, stride, keep)
-    columns, count, below = kernels.scan(low, threshold, capacity)
-    keys = kernels.keys_at(low, columns)
-    del columns
+    keys, count, below = kernels.scan(low, threshold, capacity)
     top = keys.topk(k, dim=-1, sorted=True).values  # padding sorts after every real entry
     return kernels.finish(keys, top, threshold, below(), count, capacity, kernels.rounding_gap)
 
@@ -158,36 +156,54 @@ def compact(above: torch.Tensor, capacity: int, sync_free: bool | None = None):
     """``(columns, count)``: int64 ``[r, capacity + 1]``, each row's first ``capacity + 1``
     columns where ``above`` (bool ``[r, W]``) is True, ascending, -1 padded (a full row has
     more than ``capacity``), and int64 ``[r]``, how many each row has (0 for a row left
-    out). ``above`` may be consumed.
-
-    ``sync_free`` (by default: off a CPU, with a PyTorch whose ``nonzero_static`` runs there)
-    finds them without a host sync, by one ``nonzero_static`` of at most ``capacity`` entries
-    per row, where a row with more is left out (all -1), so that it crowds out none of the
-    rows after it; else by one ``nonzero``, faster on a CPU, where the sync costs nothing."""
+    out), from :func:`positions` (``sync_free``: see there). ``above`` may be consumed."""
     rows, width = above.shape
-    if sync_free is None:
-        sync_free = above.device.type != "cpu" and _NONZERO_STATIC_OFF_CPU
-    if not sync_free:
-        flat = _flat_nonzero(above.view(-1))
-        row = flat // width
-        count = torch.bincount(row, minlength=rows)
-    else:
-        count = above.sum(-1)
-        count = torch.where(count <= capacity, count, 0)
-        above &= (count > 0)[:, None]
-        flat = torch.nonzero_static(above.view(-1), size=rows * capacity, fill_value=-1)[:, 0]
-        # the spare row ``rows`` takes the padding
-        row = torch.where(flat >= 0, flat // width, rows)
+    flat, row, count = positions(above, capacity, sync_free)
     # each entry's rank in its row: its position less its row's first (the spare row's first
     # is past every real entry); past capacity + 1, the spare column ``capacity + 1``
-    start = torch.cumsum(torch.cat([count.new_zeros(1), count]), 0)
-    rank = torch.arange(flat.shape[0], device=flat.device) - start.index_select(0, row)
+    rank = torch.arange(flat.shape[0], device=flat.device) - row_starts(count).index_select(0, row)
     out = torch.full((rows + 1, capacity + 2), -1, dtype=torch.int64, device=flat.device)
     out.index_put_((row, rank.clamp_max_(capacity + 1)), flat - row * width)
     return out[:rows, :capacity + 1], count
 
 
-def _flat_nonzero(flags: torch.Tensor) -> torch.Tensor:
+def positions(above: torch.Tensor, capacity: int, sync_free: bool | None = None):
+    """``(flat, row, count)`` of ``above`` (bool ``[r, W]``, may be consumed): the flat
+    positions of its True entries (int64 ``[n]``, ascending, so row by row), each one's row,
+    and how many each row has (int64 ``[r]``).
+
+    ``sync_free`` (by default :func:`no_host_sync`) finds them without a host sync, by one
+    ``nonzero_static`` of at most ``capacity`` entries per row, where a row with more is left
+    out (count 0), so that it crowds out none of the rows after it; the unused positions are
+    -1, of the spare row ``r``. Else by :func:`flat_nonzero`."""
+    rows, width = above.shape
+    if sync_free is None:
+        sync_free = no_host_sync(above.device)
+    if not sync_free:
+        flat = flat_nonzero(above.view(-1))
+        row = flat // width
+        return flat, row, torch.bincount(row, minlength=rows)
+    count = above.sum(-1)
+    count = torch.where(count <= capacity, count, 0)
+    above &= (count > 0)[:, None]
+    flat = torch.nonzero_static(above.view(-1), size=rows * capacity, fill_value=-1)[:, 0]
+    return flat, torch.where(flat >= 0, flat // width, rows), count
+
+
+def no_host_sync(device: torch.device) -> bool:
+    """Whether :func:`positions` finds the entries without a host sync by default: off a CPU
+    (where the sync costs nothing and ``nonzero`` runs faster), with a PyTorch whose
+    ``nonzero_static`` runs there."""
+    return device.type != "cpu" and _NONZERO_STATIC_OFF_CPU
+
+
+def row_starts(count: torch.Tensor) -> torch.Tensor:
+    """``[r + 1]``: where each row's entries start among :func:`positions`' (row by row),
+    then their total: the cumulative ``count`` from 0."""
+    return torch.cumsum(torch.cat([count.new_zeros(1), count]), 0)
+
+
+def flat_nonzero(flags: torch.Tensor) -> torch.Tensor:
     """The positions of the set entries of the 1-D one-byte ``flags``, ascending: one
     ``nonzero`` of its 8-byte words, then one of the bytes of the words that have any (a fifth
     less time than one ``nonzero`` of the bytes where about 2% are set, on a CPU)."""

@@ -358,6 +358,45 @@ def test_sample_threshold_is_the_highest_pivot_with_keep():
     assert (counts[:3] < keep + 6 * 4 * pivots[2]).all(), counts
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_scan_keys_are_the_eager_compactions(rows, sync_free, monkeypatch):
+    """The compiled scan's candidate keys (the positions found by ``nonzero``, or
+    ``nonzero_static`` as off a CPU, then placed, gathered and keyed in one kernel) and counts
+    are the eager compaction's bit for bit: rows of random values at T = 1.5, a row with no
+    entry at or above its threshold, a row over the capacity (kept to its first ``capacity +
+    1`` entries, or left out whole without a host sync), a row of -inf; one row (a doubled
+    chunk); a chunk with no candidate at all (padded to two positions, so that it compiles no
+    new graph)."""
+    from topkd import topk
+    from topkd.backends import compiled, eager
+
+    monkeypatch.setattr(topk, "no_host_sync", lambda device: sync_free)
+    g = torch.Generator().manual_seed(rows)
+    low = (torch.randn(rows, 3001, generator=g) * 2).to(BF16)
+    threshold = torch.full((rows,), 1.5)
+    if rows > 1:
+        threshold[1], threshold[2] = float("inf"), -10.0
+        low[3] = NEG_INF
+        threshold[3] = NEG_INF
+    capacity, temperature, graphs = 400, 1.5, []
+    for limits in (threshold, torch.full_like(threshold, float("inf"))):
+        b = eager._read(low, temperature, 1.0, None, None)
+        want_keys, want_count, _ = eager._Sampled.scan(b, limits / temperature, capacity)
+        if rows > 1 and limits is threshold:  # the cases are there (without a host sync,
+            # eager's compaction too leaves out a row over the capacity)
+            full = 0 if sync_free else 3001
+            assert want_count[1] == 0 and want_count[3] == full
+            assert (want_count[2] > capacity) != sync_free
+        sampled = compiled._Sampled(temperature, 1.0, None, None)
+        keys, count, _ = sampled.scan(low, limits / temperature, capacity)
+        assert torch.equal(count, want_count), (count, want_count)
+        assert keys.shape == want_keys.shape == (rows, capacity + 1)
+        assert torch.equal(keys, want_keys)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0], f"no candidate compiled a new graph: {graphs}"
+
+
 @pytest.mark.parametrize("case", SELECT_CASES)
 def test_select_compiled(case):
     """The compiled selection equals eager (indices and the kept and ghost log-probs) and the

@@ -187,7 +187,7 @@ def test_flat_nonzero_matches_nonzero(size, density):
     g = torch.Generator().manual_seed(size)
     flags = torch.rand(size + 3, generator=g) < density
     for view in (flags[:size], flags[3:], flags[:size].to(torch.int8)):
-        assert torch.equal(topk._flat_nonzero(view), view.nonzero()[:, 0]), (size, view.dtype)
+        assert torch.equal(topk.flat_nonzero(view), view.nonzero()[:, 0]), (size, view.dtype)
 
 
 def test_compact_without_a_host_sync_agrees():

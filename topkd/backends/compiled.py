@@ -25,7 +25,7 @@ from .. import topk
 from ..divergences import KL, has_own_terms
 from ..kernels import finite_or_zero
 from ..sources import empty
-from ..topk import candidates_, compact, sampled_plan, sampled_top
+from ..topk import candidates_, positions, row_starts, sampled_plan, sampled_top
 from .base import Backend
 from .eager import EAGER
 
@@ -446,18 +446,31 @@ def threshold_scan(low, threshold, temperature, logit_scale, softcap, out):
     return out.copy_(torch.where(above, 1.0, 0.0)), below  # (float: stored faster)
 
 
-@_compiled
-def candidate_keys(low, columns, temperature, logit_scale, softcap):
-    """:func:`topkd.topk.candidate_keys` of a chunk's ``logits / T`` at ``columns`` (-1:
-    padding), gathered, transformed and keyed in one pass."""
-    values = _over(_logits(low.gather(1, columns.clamp_min(0)), logit_scale, softcap),
+@_compiled(rows=False)
+def candidate_keys(low, flat, start, capacity, temperature, logit_scale, softcap):
+    """:func:`topkd.topk.candidate_keys` of a chunk's ``logits / T`` at the flat positions
+    ``flat`` ``[n]`` of :func:`topkd.topk.positions` (ascending; -1: none) in
+    :func:`topkd.topk.compact`'s layout: int64 ``[r, capacity + 1]``, the entry of rank ``j``
+    in row ``i`` (its position less ``start[i]``, the row's first, of ``start`` ``[r + 1]``)
+    at ``[i, j]``, ranks past ``capacity`` left out, padded with ``PAD_KEY``. Placed,
+    gathered, transformed and keyed in one pass over the candidates (not over the slots)."""
+    rows, width = low.shape
+    row = torch.where(flat >= 0, flat // width, rows)
+    rank = torch.arange(flat.shape[0], device=flat.device) - start[row]
+    kept = (row < rows) & (rank <= capacity)
+    column = torch.where(kept, flat - row * width, 0)
+    values = _over(_logits(low[torch.where(kept, row, 0), column], logit_scale, softcap),
                    temperature)
-    return topk.candidate_keys(values, columns)
+    keys = torch.full((rows + 1, capacity + 1), topk.PAD_KEY, dtype=torch.int64,
+                      device=low.device)
+    keys[torch.where(kept, row, rows), torch.where(kept, rank, 0)] = topk.sort_keys(values,
+                                                                                    column)
+    return keys[:rows]  # (the spare row ``r`` takes what is left out)
 
 
 class _Sampled:
     """:func:`topkd.topk.sampled_top`'s kernels on a chunk in its own dtype: no float32 copy
-    of it, and no host sync (:func:`topkd.topk.compact`)."""
+    of it, and no host sync off a CPU (:func:`topkd.topk.positions`)."""
 
     def __init__(self, temperature, logit_scale, softcap, scratch):
         self.options = (temperature, logit_scale, softcap)
@@ -474,11 +487,23 @@ class _Sampled:
     def scan(self, low, threshold, capacity):
         flags = empty(self.scratch, "select", *low.shape, torch.int8, low.device)
         above, below = threshold_scan(low, threshold, *self.options, flags)
-        return *compact(above.view(torch.bool), capacity), lambda: below
-
-    def keys_at(self, low, columns):
-        # (contiguous: compact's columns are a view, a doubled one-row chunk's are not)
-        return candidate_keys(low, columns.contiguous(), *self.options)
+        if topk.no_host_sync(low.device):
+            flat, _, count = positions(above.view(torch.bool), capacity, sync_free=True)
+            start = row_starts(count)
+        else:  # each row's first position by a binary search of the ascending positions
+            flat = topk.flat_nonzero(above.view(torch.bool).view(-1))
+            firsts = torch.arange(0, flags.numel() + 1, low.shape[1], device=low.device)
+            start = torch.searchsorted(flat, firsts)
+            count = start.diff()
+        # (dynamo specializes sizes 0 and 1, so a kernel sees at least 2 rows and 2 entries:
+        # a one-row chunk doubled, its second row empty; entries -1, left out)
+        one = low.shape[0] == 1
+        if one:
+            low, start = torch.cat([low, low]), torch.cat([start, start[-1:]])
+        if flat.shape[0] < 2:
+            flat = torch.cat([flat, flat.new_full((2 - flat.shape[0],), -1)])
+        keys = candidate_keys(low, flat, start, capacity, *self.options)
+        return keys[:1] if one else keys, count, lambda: below
 
     @staticmethod
     def finish(*args):

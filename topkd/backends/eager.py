@@ -152,6 +152,7 @@ class _Sampled:
     @staticmethod
     def scan(b, threshold, capacity):
         columns, count = topk.compact(b >= threshold[:, None], capacity)
+        keys = topk.candidate_keys(b.gather(1, columns.clamp_min(0)), columns)
 
         def below():  # the candidates out of the sum: -inf (padding repeats a row's first)
             at = torch.where(columns >= 0, columns, columns[:, :1]).clamp_min(0)
@@ -160,11 +161,7 @@ class _Sampled:
             # (a threshold of -inf leaves nothing below it; centered on 0, not NaN)
             return b.sub_(finite_or_zero(threshold)[:, None]).exp_().sum(-1)
 
-        return columns, count, below
-
-    @staticmethod
-    def keys_at(b, columns):
-        return topk.candidate_keys(b.gather(1, columns.clamp_min(0)), columns)
+        return keys, count, below
 
     finish = staticmethod(topk.sampled_finish)
 
