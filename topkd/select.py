@@ -21,10 +21,10 @@ from .topk import NO_INDEX, PAD_KEY, from_keys, key_values, sort_keys
 
 
 def _local_candidates(source, k: int, temperature: float, valid: int, chunk_bytes, fused: bool,
-                      logit_scale: float, softcap: float | None, backend):
-    """Per row of this shard's first ``valid`` columns: the top-k in canonical order (values,
-    local indices; at most ``valid`` of them) and the rest's log-sum-exp as (max, log-sum),
-    one chunk at a time by the backend's selection stage."""
+                      logit_scale: float, softcap: float | None, backend, ordered: bool):
+    """Per row of this shard's first ``valid`` columns: the top-k (values, local indices; at
+    most ``valid`` of them; in canonical order with ``ordered``) and the rest's log-sum-exp as
+    (max, log-sum), one chunk at a time by the backend's selection stage."""
     n, device = source.count, source.device
     k_local = min(k, valid)
     values = torch.empty(n, k_local, dtype=torch.float32, device=device)
@@ -39,7 +39,7 @@ def _local_candidates(source, k: int, temperature: float, valid: int, chunk_byte
     for start, stop in memory.row_chunks(n, per):
         low = source.low_chunk(start, stop, valid)
         (values[start:stop], indices[start:stop], rest_max[start:stop],
-         rest_logsum[start:stop], done[start:stop]) = backend.select(low, *options)
+         rest_logsum[start:stop], done[start:stop]) = backend.select(low, *options, ordered)
     # Rows whose sample misled (rare; which ones depends on each row alone): one host sync
     # for the whole call, then the exact selection of those rows, chunk by chunk.
     again = (~done).nonzero()[:, 0].tolist()  # ascending
@@ -116,16 +116,17 @@ def select_rows(source, k, top_p, top_p_min_k, temperature, vocab, shard, proces
     smaller share). ``logit_scale`` and ``softcap`` turn a teacher LM head's products into its
     logits. ``backend`` runs each chunk's selection stage.
     """
+    n, ranks = source.count, parallel.world_size(process_group)
+    # Across ranks the merge sorts the gathered candidates, so no rank sorts its own.
     values, local_idx, rest_max, rest_logsum = _local_candidates(
         source, k, temperature, shard.valid(vocab), chunk_bytes, fused, logit_scale, softcap,
-        backend)
+        backend, ordered=ranks == 1)
     indices = local_idx + shard.offset if shard.offset else local_idx
     if values.shape[-1] < k:  # this shard is narrower than k: pad so every rank sends [n, k]
         pad = k - values.shape[-1]
         values = torch.cat([values, values.new_full((source.count, pad), float("-inf"))], -1)
         indices = torch.cat([indices, indices.new_full((source.count, pad), NO_INDEX)], -1)
 
-    n, ranks = source.count, parallel.world_size(process_group)
     # Merge in row blocks so the gathered candidates ([block, ranks * K]) stay within budget;
     # the block size comes from numbers every rank shares (one all-gather per block).
     per = memory.merge_rows(chunk_bytes, n, shard.total, ranks, k, source.element_size, fused)
@@ -157,8 +158,9 @@ def select_rows(source, k, top_p, top_p_min_k, temperature, vocab, shard, proces
 
 def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group, backend):
     """Global top-K, normalizer, top-p and ghost for a block of rows from every rank's local
-    candidates (``values``/``indices`` ``[b, K]`` in canonical order, the rest's ``(max,
-    log-sum)`` ``[b]``); the element-wise steps run as ``backend``'s kernels.
+    candidates (``values``/``indices`` ``[b, K]``, in canonical order on one rank, in any
+    order across ranks; the rest's ``(max, log-sum)`` ``[b]``); the element-wise steps run
+    as ``backend``'s kernels.
 
     Returns ``(indices, logprobs, rest_logprob)`` for the block, identical on every rank.
     """

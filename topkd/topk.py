@@ -6,9 +6,10 @@ Two ways, each exact (the same entries, values and order):
 
 - :func:`sampled_top`, where ``k`` is small next to the row: a threshold per row from a
   strided sample, one pass that counts the entries at or above it and sums the exponentials
-  of those below, the entries above gathered without a host sync, and a sort of about 1.3 k
-  candidates. A row where the sample misleads is marked not done (the caller runs the exact
-  way on it); whether a row is done depends on the row alone.
+  of those below, the entries above gathered without a host sync, and a top-k of about 1.3 k
+  candidates (sorted where the caller asks for the order: a merge across ranks sorts anyway,
+  and a loss sums its terms in any order). A row where the sample misleads is marked not
+  done (the caller runs the exact way on it); whether a row is done depends on the row alone.
 - :func:`candidates_`, on a float32 buffer: ``torch.topk`` with the tied K-th values
   refilled, then the rest's log-sum-exp over the buffer.
 """
@@ -102,11 +103,13 @@ def sampled_plan(width: int, k: int):
     return stride, keep, stride * (keep + 8 * math.isqrt(keep) + 8)
 
 
-def sampled_top(low: torch.Tensor, k: int, plan, kernels):
-    """The top ``k - 1`` of each row of the chunk ``low`` ``[r, W]`` in canonical order and the
-    rest's log-sum-exp, from a sampled threshold: ``(values [r, k-1], indices [r, k-1], rest
-    max [r], rest log-sum [r], done [r] bool)``, each row's exact where ``done`` (its ``k``-th
-    entry is the rest's maximum).
+def sampled_top(low: torch.Tensor, k: int, plan, kernels, ordered: bool = True):
+    """The top ``k - 1`` of each row of the chunk ``low`` ``[r, W]`` and the rest's
+    log-sum-exp, from a sampled threshold: ``(values [r, k-1], indices [r, k-1], rest max [r],
+    rest log-sum [r], done [r] bool)``, each row's exact where ``done`` (its ``k``-th entry is
+    the rest's maximum). The top is in canonical order with ``ordered``, else in an order of
+    ``torch.topk``'s (the same entries, the row's alone; the sort of the candidates is about
+    a tenth of a compiled Top-K loss on a CPU).
 
     ``kernels`` (a backend's) turns the chunk into its values ``b`` (``z / T``) as it goes:
 
@@ -132,14 +135,27 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels):
     stride, keep, capacity = plan
     threshold = kernels.threshold(low, stride, keep)
     keys, count, below = kernels.scan(low, threshold, capacity)
-    top = keys.topk(k, dim=-1, sorted=True).values  # padding sorts after every real entry
+    top = keys.topk(k, dim=-1, sorted=ordered).values  # padding sorts after every real entry
+    if not ordered:
+        top = kth_last(top)
     return kernels.finish(keys, top, threshold, below(), count, capacity, kernels.rounding_gap)
 
 
+def kth_last(top: torch.Tensor) -> torch.Tensor:
+    """``top`` (int64 ``[r, k]``, each row's top ``k`` keys in any order) with each row's least
+    key, its ``k``-th, swapped into the last column, in place."""
+    at = top.argmin(-1, keepdim=True)
+    least, last = top.gather(1, at), top[:, -1:].clone()
+    top.scatter_(1, at, last)
+    top[:, -1:] = least
+    return top
+
+
 def sampled_finish(keys, top, threshold, below, count, capacity: int, gap: float):
-    """:func:`sampled_top`'s result from the candidates' ``keys`` ``[r, c]``, their sorted top
-    ``k`` ``top`` ``[r, k]``, the ``threshold`` ``[r]``, the sum ``below`` it ``[r]`` (relative
-    to it) and the candidates' ``count`` ``[r]``; ``gap``: the kernels' ``rounding_gap``."""
+    """:func:`sampled_top`'s result from the candidates' ``keys`` ``[r, c]``, their top ``k``
+    ``top`` ``[r, k]`` (the ``k``-th last, the others in any order), the ``threshold``
+    ``[r]``, the sum ``below`` it ``[r]`` (relative to it) and the candidates' ``count``
+    ``[r]``; ``gap``: the kernels' ``rounding_gap``."""
     k = top.shape[1]
     values, indices = from_keys(top)
     rest_max = values[:, k - 1]

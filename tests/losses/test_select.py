@@ -209,3 +209,36 @@ def test_compact_without_a_host_sync_agrees():
     for i in keep:
         want = above[i].nonzero()[:, 0]
         assert torch.equal(cpu[i, :want.numel()], want) and (cpu[i, want.numel():] == -1).all()
+
+
+def test_kth_last():
+    """Each row's least key (its k-th of k) swapped into the last column, the others kept."""
+    g = torch.Generator().manual_seed(6)
+    keys = torch.randperm(10**6, generator=g)[:7 * 9].view(7, 9)
+    keys[3] = keys[3].sort().values  # the least first
+    keys[4] = keys[4].sort(descending=True).values  # the least already last
+    out = topk.kth_last(keys.clone())
+    assert torch.equal(out[:, -1], keys.amin(-1))
+    assert torch.equal(out[:, :-1].sort(-1).values, keys.sort(-1).values[:, 1:])
+
+
+@pytest.mark.parametrize("impl", ["eager", "compile"])
+def test_select_unordered_is_the_same_selection(impl):
+    """A backend's selection without the order (what each rank of a tensor-parallel group
+    sends to the merge) keeps the same entries with the same values, rest and ``done``, bit for
+    bit, as with it: rows of random bf16 values with ties, and rows the sample misleads."""
+    k = 40
+    t = misled_rows_(logits(8, 1000, scale=3.0, seed=7), k)
+    t[6] = t[6].bfloat16().float()  # ties
+    backend = topkd.backends.choose(impl, t.device)
+    ordered = backend.select(t, k, 1.5, 1.0, None)
+    loose = backend.select(t, k, 1.5, 1.0, None, ordered=False)
+    assert not ordered[-1].all() and ordered[-1].any()
+    for a, b in zip(ordered[2:], loose[2:], strict=True):
+        assert torch.equal(a, b)
+    done = ordered[-1]
+    # (torch's unsorted top-k leaves them in another order here: the sets are compared)
+    assert not torch.equal(loose[1][done], ordered[1][done])
+    values, indices = topk.canonical_order(*loose[:2])
+    assert torch.equal(values[done], ordered[0][done])
+    assert torch.equal(indices[done], ordered[1][done])

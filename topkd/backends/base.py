@@ -95,12 +95,13 @@ class Backend:
     # ---- the teacher's selection and the fused head's weight gradient
 
     def select(self, low, k: int, temperature: float, logit_scale: float, softcap,
-               scratch=None):
+               scratch=None, ordered: bool = True):
         """``(values [r, k], local indices [r, k], rest max [r], rest log-sum [r], done [r]
-        bool)``: the chunk's top-``k`` of ``logits / T`` in canonical order
-        (:mod:`topkd.topk`) and the log-sum-exp of the rest as ``rest max + rest log-sum``;
-        ``k <= W``. No host sync: a row that is not ``done`` (whether it is depends on the
-        row alone) holds junk and is selected again by :meth:`select_exact`. ``scratch``: a
+        bool)``: the chunk's top-``k`` of ``logits / T``, in canonical order
+        (:mod:`topkd.topk`) with ``ordered`` (else in some order of the row's alone), and the
+        log-sum-exp of the rest as ``rest max + rest log-sum``; ``k <= W``. No host sync: a
+        row that is not ``done`` (whether it is depends on the row alone) holds junk and is
+        selected again by :meth:`select_exact`. ``scratch``: a
         :class:`~topkd.sources.Scratch` whose buffers the call's chunks share, or None."""
         raise NotImplementedError
 

@@ -609,13 +609,13 @@ class CompiledBackend(Backend):
     # ---- the teacher's selection (its passes over the chunk compiled, the sorts eager) and
     # the fused head's weight gradient
 
-    def select(self, low, k, temperature, logit_scale, softcap, scratch=None):
+    def select(self, low, k, temperature, logit_scale, softcap, scratch=None, ordered=True):
         plan = sampled_plan(low.shape[1], k + 1)  # None where 16 (k + 1) > W
         if plan is None:
             return (*self.select_exact(low, k, temperature, logit_scale, softcap, scratch),
                     torch.ones(low.shape[0], dtype=torch.bool, device=low.device))
         return sampled_top(low, k + 1, plan,
-                           _Sampled(temperature, logit_scale, softcap, scratch))
+                           _Sampled(temperature, logit_scale, softcap, scratch), ordered)
 
     def select_exact(self, low, k, temperature, logit_scale, softcap, scratch=None):
         b = read(low, temperature, logit_scale, softcap,

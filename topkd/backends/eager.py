@@ -234,13 +234,13 @@ class EagerBackend(Backend):
 
     # ---- the teacher's selection and the fused head's weight gradient
 
-    def select(self, low, k, temperature, logit_scale, softcap, scratch=None):
+    def select(self, low, k, temperature, logit_scale, softcap, scratch=None, ordered=True):
         b = _read(low, temperature, logit_scale, softcap, scratch)
         plan = topk.sampled_plan(b.shape[1], k + 1)  # None where 16 (k + 1) > W
         if plan is None:
             return (*_select_exact(b, k), torch.ones(b.shape[0], dtype=torch.bool,
                                                      device=b.device))
-        return topk.sampled_top(b, k + 1, plan, _Sampled)
+        return topk.sampled_top(b, k + 1, plan, _Sampled, ordered)
 
     def select_exact(self, low, k, temperature, logit_scale, softcap, scratch=None):
         return _select_exact(_read(low, temperature, logit_scale, softcap, scratch), k)
