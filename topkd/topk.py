@@ -7,9 +7,9 @@ Two ways, each exact (the same entries, values and order):
 - :func:`sampled_top`, where ``k`` is small next to the row: a threshold per row from a
   strided sample, one pass that counts the entries at or above it and sums the exponentials
   of those below, the entries above gathered without a host sync, and a top-k of about 1.3 k
-  candidates (sorted where the caller asks for the order: a merge across ranks sorts anyway,
-  and a loss sums its terms in any order). A row where the sample misleads is marked not
-  done (the caller runs the exact way on it); whether a row is done depends on the row alone.
+  candidates, sorted unless the caller sorts anyway (a merge across ranks). A row where the
+  sample misleads is marked not done (the caller runs the exact way on it); whether a row is
+  done depends on the row alone.
 - :func:`candidates_`, on a float32 buffer: ``torch.topk`` with the tied K-th values
   refilled, then the rest's log-sum-exp over the buffer.
 """
@@ -107,9 +107,8 @@ def sampled_top(low: torch.Tensor, k: int, plan, kernels, ordered: bool = True):
     """The top ``k - 1`` of each row of the chunk ``low`` ``[r, W]`` and the rest's
     log-sum-exp, from a sampled threshold: ``(values [r, k-1], indices [r, k-1], rest max [r],
     rest log-sum [r], done [r] bool)``, each row's exact where ``done`` (its ``k``-th entry is
-    the rest's maximum). The top is in canonical order with ``ordered``, else in an order of
-    ``torch.topk``'s (the same entries, the row's alone; the sort of the candidates is about
-    a tenth of a compiled Top-K loss on a CPU).
+    the rest's maximum). The top is in canonical order with ``ordered``, else in
+    ``torch.topk``'s order (the same entries; for a caller that sorts them anyway).
 
     ``kernels`` (a backend's) turns the chunk into its values ``b`` (``z / T``) as it goes:
 

@@ -98,7 +98,7 @@ class Backend:
                scratch=None, ordered: bool = True):
         """``(values [r, k], local indices [r, k], rest max [r], rest log-sum [r], done [r]
         bool)``: the chunk's top-``k`` of ``logits / T``, in canonical order
-        (:mod:`topkd.topk`) with ``ordered`` (else in some order of the row's alone), and the
+        (:mod:`topkd.topk`) with ``ordered`` (else in ``torch.topk``'s order), and the
         log-sum-exp of the rest as ``rest max + rest log-sum``; ``k <= W``. No host sync: a
         row that is not ``done`` (whether it is depends on the row alone) holds junk and is
         selected again by :meth:`select_exact`. ``scratch``: a
