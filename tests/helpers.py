@@ -217,13 +217,16 @@ def assert_teacher_matches(st, ref, *, k, vocab_size, temperature, lp_atol=2e-6,
 
 def memory_events(fn):
     """Run fn() under the profiler with profile_memory=True; return the allocator's signed
-    [memory] events in time order (the profiler method)."""
+    bytes in time order as the benchmarks count them (the profiler method:
+    :func:`benchmarks.harness.counted`, which leaves out the free of a block allocated before
+    profiling began, such as one an earlier test's profiled step left in a cache)."""
+    from benchmarks import harness
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
         fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    assert events, "the profiler recorded no [memory] events"
-    events.sort(key=lambda e: e.start_ns())
+    events = harness.counted(harness.allocations(prof))
+    assert events, "the profiler recorded no allocator events"
     return events
 
 

@@ -574,15 +574,13 @@ def _memory_inputs(teacher, rows=MEM_ROWS):
 
 def _peak_not_counting(fn, allowed):
     """The profiler method (as test_memory._peak_above_start): the running sum of the
-    allocator's signed [memory] events in time order, bytes above what was allocated when
+    allocator's signed bytes in time order, bytes above what was allocated when
     profiling began. ``allowed`` maps an allocation size in bytes to how many live blocks of
     that size are not counted (the returned gradients, the float32 weight accumulator) while
     they are live. Returns ``(peak not counting them, raw peak)``."""
-    events = memory_events(fn)
     live = dict.fromkeys(allowed, 0)
     cur = peak = raw = 0
-    for e in events:
-        n = e.nbytes()
+    for n in memory_events(fn):
         cur += n
         if abs(n) in live:
             live[abs(n)] += 1 if n > 0 else -1

@@ -17,10 +17,10 @@ BOUND = 1.25  # x the student logits' bytes; 1.0 of it is the gradient
 
 def _peak_above_start(fn):
     """Run fn() under the profiler; return the running maximum of the allocator's signed
-    [memory] events in time order (bytes above what was allocated when profiling began)."""
+    bytes in time order (bytes above what was allocated when profiling began)."""
     cur = peak = 0
-    for e in memory_events(fn):
-        cur += e.nbytes()
+    for n in memory_events(fn):
+        cur += n
         peak = max(peak, cur)
     return peak
 
