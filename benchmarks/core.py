@@ -13,7 +13,10 @@ memory at N GiB" in the table instead of taking the machine down. Per case it re
   ``torch.cuda.max_memory_allocated`` above the allocation before the step.
 * **x logits**: that peak as a multiple of the student logits' bytes.
 * **fwd+bwd s**: median wall time of ``--repeats`` forward + backward runs (``loss.sum()
-  .backward()``, ``reduction="none"``) after one warm-up, measured without the profiler.
+  .backward()``, ``reduction="none"``) after one warm-up, measured without the profiler;
+  with ``--processes N``, each case runs in N fresh processes (all cases once, then again,
+  N rounds) and its time is the median of the N processes' medians, the peak and the errors
+  the largest of theirs.
 * **loss rel err**: max over ``--sample-rows`` rows of ``|L - L64| / |L64|``, with ``L64``
   the same loss definition computed in float64 on those rows by the test suite's reference
   (``tests/reference.py``).
@@ -394,6 +397,8 @@ def format_table(results, meta) -> str:
         + (f" ({meta['device_name']})" if meta.get("device_name") else "")
         + f", torch {meta['torch']}, {meta['threads']} threads, "
         f"chunk_bytes = {meta['chunk_bytes']}, repeats = {meta['repeats']}"
+        + (f" in each of {meta['processes']} processes per case (time: the median of their "
+           f"medians; [min-max] over every repeat)" if meta.get("processes", 1) > 1 else "")
         + (f", memory cap {meta['mem_limit_gib']:g} GiB per case" if meta["device"] == "cpu"
            else "")
     )
@@ -506,6 +511,13 @@ def _parse_rows(text):
     return out
 
 
+def _positive(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -527,6 +539,9 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=1.0, help="temperature T (1.0)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed forward + backward runs after one warm-up; median reported (3)")
+    p.add_argument("--processes", type=_positive, default=1,
+                   help="fresh processes per case, the cases in turn (rounds); a case's time "
+                        "is the median of its processes' medians (1)")
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),
                    help="implementations (default: topkd naive; 'prefix' is opt-in)")
     p.add_argument("--loss", nargs="+", choices=LOSSES, default=list(LOSSES),
@@ -578,7 +593,8 @@ def main(argv) -> int:
         return (f"peak {r['peak_bytes'] / MiB:,.0f} MiB ({r['x_logits']:.2f}x logits), "
                 f"{r['median_s']:.2f} s, loss err {harness.fmt_err(r.get('loss_rel_err'))}")
 
-    results = harness.run_cases(cases, describe, lambda case: _run_case(args, *case), summarize)
+    results = harness.run_rounds(cases, args.processes, describe,
+                                 lambda case: _run_case(args, *case), summarize)
 
     import torch  # only for the header
 
@@ -588,9 +604,9 @@ def main(argv) -> int:
         "device_name": next((r["device_name"] for r in results if r.get("device_name")), None),
         "threads": harness.threads_of(results, args.threads),
         "chunk_bytes": args.chunk_bytes if args.chunk_bytes is not None else "default",
-        "repeats": args.repeats, "mem_limit_gib": args.mem_limit_gib,
-        "sample_rows": args.sample_rows, "divergences": args.divergence,
-        "kernels": args.kernels,
+        "repeats": args.repeats, "processes": args.processes,
+        "mem_limit_gib": args.mem_limit_gib, "sample_rows": args.sample_rows,
+        "divergences": args.divergence, "kernels": args.kernels,
         **harness.run_meta("", argv, t_start, load_start),
     }
     harness.emit(args, {"meta": meta, "results": results}, _show)

@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,6 +165,41 @@ def run_cases(cases, describe, run, summarize) -> list[dict]:
               file=sys.stderr, flush=True)
         results.append(r)
     return results
+
+
+def run_rounds(cases, rounds: int, describe, run, summarize) -> list[dict]:
+    """:func:`run_cases` ``rounds`` times over, every case once per round in turn (so each meets
+    the machine as the others do), each run in its own fresh process; one result per case, by
+    :func:`merge_processes`."""
+    def label(i):
+        return describe if rounds == 1 else lambda case: f"round {i}/{rounds}: {describe(case)}"
+
+    runs = [run_cases(cases, label(i), run, summarize) for i in range(1, rounds + 1)]
+    return [merge_processes(list(per_case)) for per_case in zip(*runs, strict=True)]
+
+
+# a case's fields that take the largest of its processes' (its errors, its peak)
+_WORST = ("peak_bytes", "x_logits", "retained_bytes", "loss_rel_err", "grad_err",
+          "loss_rel_err_reference_selection")
+
+
+def merge_processes(runs: list[dict]) -> dict:
+    """One case's results from one or more fresh processes as one: the first process's, with
+    the time the median of the processes' medians (each one's in ``process_medians``), every
+    repeat in ``times_s``, and the largest peak and errors. A case that failed in any process
+    is that process's result."""
+    failed = [r for r in runs if r["status"] != "ok"]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    merged = dict(runs[0])
+    merged["process_medians"] = [r["median_s"] for r in runs]
+    merged["median_s"] = statistics.median(merged["process_medians"])
+    merged["times_s"] = [t for r in runs for t in r["times_s"]]
+    for key in _WORST:
+        seen = [r[key] for r in runs if r.get(key) is not None]
+        if seen:
+            merged[key] = max(seen)
+    return merged
 
 
 def loadavg():

@@ -78,3 +78,34 @@ def test_running_peak_frees_what_a_reused_address_held():
     assert harness.running_peak(unseen) == (24 * MiB, 20 * MiB)
     plain_sum = max(sum(e[3] for e in unseen[:i + 1]) for i in range(len(unseen)))
     assert plain_sum == 44 * MiB  # what summing the events alone would report
+
+
+def test_merge_processes_takes_the_median_of_medians_and_the_worst_peak():
+    def run(median, times, peak, err):
+        return {"status": "ok", "median_s": median, "times_s": times, "peak_bytes": peak,
+                "x_logits": peak / 100, "loss_rel_err": err, "first_call_s": median * 10}
+
+    runs = [run(1.0, [0.9, 1.0, 1.1], 100, 1e-6), run(3.0, [3.0, 3.0], 130, 1e-7),
+            run(2.5, [2.5], 110, 3e-6)]
+    merged = harness.merge_processes(runs)
+    assert merged["process_medians"] == [1.0, 3.0, 2.5]
+    assert merged["median_s"] == 2.5
+    assert merged["times_s"] == [0.9, 1.0, 1.1, 3.0, 3.0, 2.5]
+    assert (merged["peak_bytes"], merged["x_logits"], merged["loss_rel_err"]) == (130, 1.3, 3e-6)
+    assert merged["first_call_s"] == 10.0  # the first process's, whose compile may be cold
+    assert harness.merge_processes(runs[:2] + [run(9.0, [9.0], 1, 0.0)])["median_s"] == 3.0
+    assert harness.merge_processes(runs[:1]) is runs[0]
+    failed = {"status": "oom", "message": "out of memory"}
+    assert harness.merge_processes([runs[0], failed, runs[1]]) is failed
+
+
+def test_run_rounds_runs_every_case_in_turn():
+    order = []
+
+    def run(case):
+        order.append(case)
+        return {"status": "ok", "median_s": float(len(order)), "times_s": [float(len(order))]}
+
+    merged = harness.run_rounds(["a", "b"], 3, str, run, lambda r: "")
+    assert order == ["a", "b"] * 3
+    assert [m["process_medians"] for m in merged] == [[1.0, 3.0, 5.0], [2.0, 4.0, 6.0]]
