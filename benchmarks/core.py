@@ -58,6 +58,8 @@ import time
 
 import reference  # the float64 reference, tests/reference.py (benchmarks/__init__.py)
 
+from topkd._args import int_at_least
+
 from . import harness
 from .harness import JSD_BETA, GiB, MiB
 
@@ -511,13 +513,6 @@ def _parse_rows(text):
     return out
 
 
-def _positive(text):
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -539,7 +534,7 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=1.0, help="temperature T (1.0)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed forward + backward runs after one warm-up; median reported (3)")
-    p.add_argument("--processes", type=_positive, default=1,
+    p.add_argument("--processes", type=int_at_least(1), default=1,
                    help="fresh processes per case, the cases in turn (rounds); a case's time "
                         "is the median of its processes' medians (1)")
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),

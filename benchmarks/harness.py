@@ -189,8 +189,10 @@ def merge_processes(runs: list[dict]) -> dict:
     repeat in ``times_s``, and the largest peak and errors. A case that failed in any process
     is that process's result."""
     failed = [r for r in runs if r["status"] != "ok"]
-    if failed or len(runs) == 1:
-        return failed[0] if failed else runs[0]
+    if failed:
+        return failed[0]
+    if len(runs) == 1:
+        return runs[0]
     merged = dict(runs[0])
     merged["process_medians"] = [r["median_s"] for r in runs]
     merged["median_s"] = statistics.median(merged["process_medians"])
