@@ -33,7 +33,8 @@ def _local_candidates(source, k: int, temperature: float, valid: int, chunk_byte
     rest_logsum = torch.full_like(rest_max, float("-inf"))
     if valid == 0:
         return values, indices, rest_max, rest_logsum
-    per = memory.select_rows(chunk_bytes, n, valid, source.element_size, fused, backend)
+    per = memory.select_rows(chunk_bytes, n, valid, source.element_size, fused, backend,
+                             device.type)
     done = torch.empty(n, dtype=torch.bool, device=device)
     options = (k_local, temperature, logit_scale, softcap, Scratch())
     for start, stop in memory.row_chunks(n, per):

@@ -187,7 +187,20 @@ def test_flat_nonzero_matches_nonzero(size, density):
     g = torch.Generator().manual_seed(size)
     flags = torch.rand(size + 3, generator=g) < density
     for view in (flags[:size], flags[3:], flags[:size].to(torch.int8)):
-        assert torch.equal(topk.flat_nonzero(view), view.nonzero()[:, 0]), (size, view.dtype)
+        expected = view.nonzero()[:, 0]
+        assert torch.equal(topk.flat_nonzero(view), expected), (size, view.dtype)
+        # the parts a kernel puts together: words and bytes, the same either way
+        words, at = topk.nonzero_words(view)
+        assert torch.equal((words[at >> 3] << 3) | (at & 7), expected), (size, view.dtype)
+
+
+def test_word_parts_of_padded_positions():
+    """Flat positions with -1 padding (the GPU's ``nonzero_static``) as words and bytes: the
+    real ones put back together, the padding's ``at`` -1."""
+    flat = torch.tensor([3, 8, 17, 250, -1, -1])
+    words, at = topk.word_parts(flat)
+    assert torch.equal(at[4:], torch.tensor([-1, -1]))
+    assert torch.equal((words[at[:4] >> 3] << 3) | (at[:4] & 7), flat[:4])
 
 
 def test_compact_without_a_host_sync_agrees():
@@ -242,3 +255,40 @@ def test_select_unordered_is_the_same_selection(impl):
     values, indices = topk.canonical_order(*loose[:2])
     assert torch.equal(values[done], ordered[0][done])
     assert torch.equal(indices[done], ordered[1][done])
+
+
+def test_select_rows_cache_sized_on_a_cpu():
+    """On a CPU a chunk of teacher logits is at most ``SELECT_CACHE_BYTES`` in its own dtype
+    (the selection reads it several times); on a GPU and for a fused teacher the budget alone
+    sets it."""
+    memory, width = topkd.memory, 248_320
+    for backend in (topkd.backends.EAGER, topkd.backends.COMPILED):
+        def rows(fused, device_type, backend=backend):
+            return memory.select_rows(None, 1024, width, 2, fused, backend, device_type)
+        cpu = rows(False, "cpu")
+        assert cpu * width * 2 <= memory.SELECT_CACHE_BYTES < (cpu + 1) * width * 2, cpu
+        assert rows(False, "cuda") > cpu, backend.name  # the budget's 64 or 128 rows
+        assert rows(True, "cpu") == rows(True, "cuda"), backend.name
+
+
+@pytest.mark.parametrize("impl", ["eager", "compile"])
+def test_select_chunks_within_the_cache_bytes(impl, monkeypatch):
+    """``select_topk`` runs its chunks at the cap's height (here 8 rows), with the result of
+    one chunk for all, to the bit."""
+    t = logits(40, 2000, scale=3.0, seed=5)
+    whole = topkd.select_topk(t, 12, impl=impl)
+    backend = topkd.backends.choose(impl, t.device)
+    heights = []
+    select = backend.select
+
+    def spy(low, *args):
+        heights.append(low.shape[0])
+        return select(low, *args)
+
+    monkeypatch.setattr(backend, "select", spy)
+    monkeypatch.setattr(topkd.memory, "SELECT_CACHE_BYTES", 8 * 2000 * t.element_size())
+    chunked = topkd.select_topk(t, 12, impl=impl)
+    assert heights == [8] * 5, heights
+    for a, b in zip((whole.indices, whole.logprobs, whole.rest_logprob),
+                    (chunked.indices, chunked.logprobs, chunked.rest_logprob), strict=True):
+        assert torch.equal(a, b)

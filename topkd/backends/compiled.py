@@ -437,26 +437,31 @@ def sample_threshold(sample, keep, pivots, temperature, logit_scale, softcap):
 
 @_compiled
 def threshold_scan(low, threshold, temperature, logit_scale, softcap, out):
-    """``(out, below [r])`` of a chunk's ``b = logits / T`` in one pass: ``out`` (int8 ``[r,
-    W]``) 1 where ``b >= threshold`` (``[r]``), else 0 (inductor stores an int8 several times
-    faster than a bool), and the row sum of ``exp(b - threshold)`` below it."""
+    """``(out, below [r], count [r])`` of a chunk's ``b = logits / T`` in one pass: ``out``
+    (int8 ``[r, W]``) 1 where ``b >= threshold`` (``[r]``), else 0 (inductor stores an int8
+    several times faster than a bool), the row sum of ``exp(b - threshold)`` below it, and
+    how many are at or above it (float32: exact below 2**24 columns)."""
     b = _over(_logits(low, logit_scale, softcap), temperature)
     above = b >= threshold[:, None]
+    flag = torch.where(above, 1.0, 0.0)  # (float: stored faster, summed exactly, vectorized)
     below = torch.where(above, 0.0, torch.exp(b - threshold[:, None])).sum(-1)
-    return out.copy_(torch.where(above, 1.0, 0.0)), below  # (float: stored faster)
+    return out.copy_(flag), below, flag.sum(-1)
 
 
 @_compiled(rows=False)
-def candidate_keys(low, flat, start, capacity, temperature, logit_scale, softcap):
+def candidate_keys(low, words, at, start, capacity, temperature, logit_scale, softcap):
     """:func:`topkd.topk.candidate_keys` of a chunk's ``logits / T`` at the flat positions
-    ``flat`` ``[n]`` of :func:`topkd.topk.positions` (ascending; -1: none) in
-    :func:`topkd.topk.compact`'s layout: int64 ``[r, capacity + 1]``, the entry of rank ``j``
-    in row ``i`` (its position less ``start[i]``, the row's first, of ``start`` ``[r + 1]``)
-    at ``[i, j]``, ranks past ``capacity`` left out, padded with ``PAD_KEY``. Placed,
-    gathered, transformed and keyed in one pass over the candidates (not over the slots)."""
+    of :func:`topkd.topk.nonzero_words`' ``(words, at)`` (``[n]``, ascending; ``at`` -1:
+    none) in :func:`topkd.topk.compact`'s layout: int64 ``[r, capacity + 1]``, the entry of
+    rank ``j`` in row ``i`` (its position less ``start[i]``, the row's first, of ``start``
+    ``[r + 1]``) at ``[i, j]``, ranks past ``capacity`` left out, padded with ``PAD_KEY``.
+    Located, placed, gathered, transformed and keyed in one pass over the candidates (not over
+    the slots)."""
     rows, width = low.shape
-    row = torch.where(flat >= 0, flat // width, rows)
-    rank = torch.arange(flat.shape[0], device=flat.device) - start[row]
+    real = at >= 0
+    flat = (words[torch.where(real, at >> 3, 0)] << 3) | (at & 7)
+    row = torch.where(real, flat // width, rows)
+    rank = torch.arange(at.shape[0], device=at.device) - start[row]
     kept = (row < rows) & (rank <= capacity)
     column = torch.where(kept, flat - row * width, 0)
     values = _over(_logits(low[torch.where(kept, row, 0), column], logit_scale, softcap),
@@ -486,23 +491,25 @@ class _Sampled:
 
     def scan(self, low, threshold, capacity):
         flags = empty(self.scratch, "select", *low.shape, torch.int8, low.device)
-        above, below = threshold_scan(low, threshold, *self.options, flags)
+        above, below, count = threshold_scan(low, threshold, *self.options, flags)
         if topk.no_host_sync(low.device):
             flat, _, count = positions(above.view(torch.bool), capacity, sync_free=True)
-            start = row_starts(count)
-        else:  # each row's first position by a binary search of the ascending positions
-            flat = topk.flat_nonzero(above.view(torch.bool).view(-1))
-            firsts = torch.arange(0, flags.numel() + 1, low.shape[1], device=low.device)
-            start = torch.searchsorted(flat, firsts)
-            count = start.diff()
+            words, at = topk.word_parts(flat)
+        else:  # the positions by words, assembled in the kernel below (no host copy of them)
+            words, at = topk.nonzero_words(above.view(torch.bool).view(-1))
+            count = (count.long() if low.shape[1] < 2**24  # (the float count's exact range)
+                     else above.view(torch.bool).sum(-1))
+        start = row_starts(count)
         # (dynamo specializes sizes 0 and 1, so a kernel sees at least 2 rows and 2 entries:
         # a one-row chunk doubled, its second row empty; entries -1, left out)
         one = low.shape[0] == 1
         if one:
             low, start = torch.cat([low, low]), torch.cat([start, start[-1:]])
-        if flat.shape[0] < 2:
-            flat = torch.cat([flat, flat.new_full((2 - flat.shape[0],), -1)])
-        keys = candidate_keys(low, flat, start, capacity, *self.options)
+        if at.shape[0] < 2:
+            at = torch.cat([at, at.new_full((2 - at.shape[0],), -1)])
+        if words.shape[0] < 2:
+            words = torch.cat([words, words.new_zeros(2 - words.shape[0])])
+        keys = candidate_keys(low, words, at, start, capacity, *self.options)
         return keys[:1] if one else keys, count, lambda: below
 
     @staticmethod
