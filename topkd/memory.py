@@ -126,10 +126,12 @@ _CANDIDATE_BYTES = 24  # per candidate of a merge block: float32 value, int32 in
 # On a CPU the selection reads each chunk of teacher logits three times (its sample, the scan,
 # the candidates' values) and, eagerly, its float32 copy several more: a chunk of at most this
 # many bytes in its own dtype stays in the last-level cache between them. Measured on a 2-core
-# Intel Xeon (V = 248,320, bf16, K = 4,096, 1,024 rows): the compiled selection 673 ms at 128
-# rows per chunk, 606 at 64, 580 at 32, 570 at 16, 600 at 8; the eager one 1,130 ms at 128,
-# about 1,040 at 64 (its budget's), 760 at 32, 740 at 16. Not on a GPU (fewer, larger
-# launches pay there) nor for a fused teacher (its chunks are matrix products).
+# Intel Xeon (V = 248,320, bf16, K = 4,096, 1,024 rows; docs/benchmarks.md): the compiled
+# selection about 0.67 s at 128 rows per chunk (its budget's), 0.60 at 64, 0.58 at 32, 0.57 at
+# 16, 0.60 at 8; the eager one 1.13 s at 128, 0.97-1.12 at 64 (its budget's), 0.75-0.81 at 32,
+# 0.73-0.75 at 16. Not on a GPU (fewer, larger launches pay there) nor in a fused loss (its
+# selection's budget is already a small share, and its teacher chunks are mostly matrix
+# products, which want height).
 SELECT_CACHE_BYTES = 8 * 2**20
 
 
