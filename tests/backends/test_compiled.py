@@ -358,20 +358,24 @@ def test_sample_threshold_is_the_highest_pivot_with_keep():
     assert (counts[:3] < keep + 6 * 4 * pivots[2]).all(), counts
 
 
-@pytest.mark.parametrize("rows", [1, 6])
-@pytest.mark.parametrize("sync_free", [False, True])
-def test_scan_keys_are_the_eager_compactions(rows, sync_free, monkeypatch):
-    """The compiled scan's candidate keys (the positions found by ``nonzero``, or
-    ``nonzero_static`` as off a CPU, then placed, gathered and keyed in one kernel) and counts
-    are the eager compaction's bit for bit: rows of random values at T = 1.5, a row with no
-    entry at or above its threshold, a row over the capacity (kept to its first ``capacity +
-    1`` entries, or left out whole without a host sync), a row of -inf; one row (a doubled
-    chunk); a chunk with no candidate at all (padded to two positions, so that it compiles no
-    new graph)."""
+@pytest.mark.parametrize("rows, sync_free, float_count", [
+    (1, False, True), (6, False, True), (8, False, True), (8, False, False),
+    (1, True, True), (6, True, True)])
+def test_scan_keys_are_the_eager_compactions(rows, sync_free, float_count, monkeypatch):
+    """The compiled scan's candidate keys (the positions found by ``nonzero`` of words and
+    bytes, whole words at 8 rows of 3,001, or ``nonzero_static`` as off a CPU, then placed,
+    gathered and keyed in one kernel) and counts (the scan's float sum, or past its exact
+    range the flags') are the eager compaction's bit for bit: rows of random values at T =
+    1.5, a row with no entry at or above its threshold, a row over the capacity (kept to its
+    first ``capacity + 1`` entries, or left out whole without a host sync), a row of -inf; one
+    row (a doubled chunk); a chunk with no candidate at all (padded to two positions, so that
+    it compiles no new graph)."""
     from topkd import topk
     from topkd.backends import compiled, eager
 
     monkeypatch.setattr(topk, "no_host_sync", lambda device: sync_free)
+    if not float_count:
+        monkeypatch.setattr(compiled, "_FLOAT_COUNT_COLUMNS", 0)
     g = torch.Generator().manual_seed(rows)
     low = (torch.randn(rows, 3001, generator=g) * 2).to(BF16)
     threshold = torch.full((rows,), 1.5)

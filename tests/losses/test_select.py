@@ -259,7 +259,7 @@ def test_select_unordered_is_the_same_selection(impl):
 
 def test_select_rows_cache_sized_on_a_cpu():
     """On a CPU a chunk of teacher logits is at most ``SELECT_CACHE_BYTES`` in its own dtype
-    (the selection reads it several times); on a GPU and for a fused teacher the budget alone
+    (the selection reads it several times); on a GPU and in a fused loss the budget alone
     sets it."""
     memory, width = topkd.memory, 248_320
     for backend in (topkd.backends.EAGER, topkd.backends.COMPILED):

@@ -473,6 +473,10 @@ def candidate_keys(low, words, at, start, capacity, temperature, logit_scale, so
     return keys[:rows]  # (the spare row ``r`` takes what is left out)
 
 
+# Rows narrower than this have their candidates counted exactly by the scan's float sum.
+_FLOAT_COUNT_COLUMNS = 2**24
+
+
 class _Sampled:
     """:func:`topkd.topk.sampled_top`'s kernels on a chunk in its own dtype: no float32 copy
     of it, and no host sync off a CPU (:func:`topkd.topk.positions`)."""
@@ -495,9 +499,9 @@ class _Sampled:
         if topk.no_host_sync(low.device):
             flat, _, count = positions(above.view(torch.bool), capacity, sync_free=True)
             words, at = topk.word_parts(flat)
-        else:  # the positions by words, assembled in the kernel below (no host copy of them)
+        else:  # the positions as words and bytes, put together by the kernel below
             words, at = topk.nonzero_words(above.view(torch.bool).view(-1))
-            count = (count.long() if low.shape[1] < 2**24  # (the float count's exact range)
+            count = (count.long() if low.shape[1] < _FLOAT_COUNT_COLUMNS
                      else above.view(torch.bool).sum(-1))
         start = row_starts(count)
         # (dynamo specializes sizes 0 and 1, so a kernel sees at least 2 rows and 2 entries:
