@@ -432,9 +432,12 @@ def run_sampled_selection(group, rank, failures):
     start = sum(sizes[:rank])
     k = 20
     assert topkd.topk.sampled_plan(min(sizes), k + 1) is not None
-    for dtype, opts in ((torch.float32, {}), (torch.bfloat16, dict(top_p=0.9, top_p_min_k=4))):
+    # (7 rows: each merge block's rows split unevenly among the ranks, one part padded; with
+    # chunk_bytes=900, merge blocks of a few rows, the last shorter)
+    for dtype, opts in ((torch.float32, {}), (torch.bfloat16, dict(top_p=0.9, top_p_min_k=4)),
+                        (torch.float32, dict(chunk_bytes=900))):
         g = torch.Generator().manual_seed(11)
-        t = (torch.randn(6, sum(sizes), generator=g) * 3.0).to(dtype)
+        t = (torch.randn(7, sum(sizes), generator=g) * 3.0).to(dtype)
         name = f"TP sampled select_topk {dtype} {opts}"
         try:
             st1 = topkd.select_topk(t, k, **opts)
@@ -444,6 +447,8 @@ def run_sampled_selection(group, rank, failures):
             torch.testing.assert_close(stt.logprobs, st1.logprobs, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(stt.rest_logprob, st1.rest_logprob, rtol=1e-6,
                                        atol=1e-6)
+            for field in (stt.indices, stt.logprobs, stt.rest_logprob):
+                assert _same_on_all_ranks(field, group), "ranks disagree"
         except AssertionError as e:
             failures.append(f"[{name}] {e}")
 

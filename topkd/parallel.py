@@ -11,8 +11,9 @@ Who calls what, per loss call (forward; backward has none but the last):
 - :func:`combine_statistics` (one MAX and one SUM all-reduce) and :func:`sum_rows` (one SUM),
   from :mod:`topkd.engine` per chunk of rows: the Top-K path 2 all-reduces per chunk, the
   full-vocabulary path 3.
-- :func:`all_gather_cat`: the teacher's selection (:mod:`topkd.select`), one all-gather of
-  the candidates per merge block of rows.
+- :func:`rows_to_ranks` and :func:`gather_rows`: the teacher's selection
+  (:mod:`topkd.select`), per merge block of rows one all-to-all of the candidates (each rank
+  merges a part of the rows) and one all-gather of the merged parts.
 - :class:`AllReduceGradient`: the fused losses with ``reduce_hidden_grad=True``, one SUM
   all-reduce of the hidden states' gradient in backward.
 
@@ -98,13 +99,15 @@ def all_reduce_sum_(tensor: torch.Tensor, group) -> torch.Tensor:
     return tensor
 
 
-def all_gather_cat(tensor: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` (same shape on all ranks) along ``dim``."""
-    if group is None:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+def rows_to_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Part ``r`` of every rank's ``tensor`` (``[n, ...]``, the same ``n`` on every rank, cut
+    into ``world`` parts of ``ceil(n / world)`` rows, the last padded with zeros) to rank
+    ``r``, stacked in rank order: ``[world, part, ...]``. One all-to-all; no gradient."""
+    world = dist.get_world_size(group)
+    part = -(-tensor.shape[0] // world)
+    receive = tensor.new_empty((world, part, *tensor.shape[1:]))
+    dist.all_to_all_single(receive, _pad_rows(tensor.detach(), world * part), group=group)
+    return receive
 
 
 # ---- what the losses call per chunk and per call ---------------------------------------------

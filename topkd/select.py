@@ -163,23 +163,41 @@ def _merge(values, indices, rest_max, rest_logsum, k, top_p, top_p_min_k, group,
     order across ranks; the rest's ``(max, log-sum)`` ``[b]``); the element-wise steps run
     as ``backend``'s kernels.
 
+    Across ranks each merges a part of the block's rows (the sorted top K of every rank's
+    candidates is most of a merge's time) and the parts are gathered: one all-to-all of the
+    candidates as their int64 sort keys (value bits and index) bit-cast to float32, exactly,
+    and one all-gather of the merged rows. A row's result is the same whichever rank merges
+    it and whatever the block (see :func:`_merge_rows`).
+
     Returns ``(indices, logprobs, rest_logprob)`` for the block, identical on every rank.
     """
-    if parallel.world_size(group) > 1:
-        # One all-gather of each rank's candidates as their int64 sort keys (value bits and
-        # index) bit-cast to float32, exactly; the global top K is one topk of the keys.
-        keys = sort_keys(values, indices).view(torch.float32)
-        packed = torch.cat([keys, rest_max[:, None], rest_logsum[:, None]], -1)
-        packed = parallel.all_gather_cat(packed[:, None, :], group, dim=1)  # [b, ranks, 2K+2]
-        keys = packed[..., :2 * k].contiguous().view(torch.int64).flatten(1)
-        top = keys.topk(k, dim=-1, sorted=True).values
-        values, indices = from_keys(top)
-        others = backend.kernel(_others)(keys, top[:, k - 1].contiguous())
-        rest_max, rest_logsum = packed[..., 2 * k], packed[..., 2 * k + 1]
-    else:  # no candidates past the K-th (a new empty tensor: one layout for the kernel)
+    ranks = parallel.world_size(group)
+    if ranks == 1:  # no candidates past the K-th (a new empty tensor: one layout for the kernel)
         others = values.new_empty(values.shape[0], 0)
-        rest_max, rest_logsum = rest_max[:, None], rest_logsum[:, None]
+        return _merge_rows(values, indices, others, rest_max[:, None], rest_logsum[:, None],
+                           top_p, top_p_min_k, backend)
+    keys = sort_keys(values, indices).view(torch.float32)
+    packed = torch.cat([keys, rest_max[:, None], rest_logsum[:, None]], -1)
+    # [part, ranks, 2K + 2]: this rank's rows (padding rows of zeros: finite, merged, dropped)
+    packed = parallel.rows_to_ranks(packed, group).transpose(0, 1)
+    part = packed.shape[0]
+    keys = packed[..., :2 * k].contiguous().view(torch.int64).flatten(1)
+    top = keys.topk(k, dim=-1, sorted=True).values
+    others = backend.kernel(_others)(keys, top[:, k - 1].contiguous())
+    merged = _merge_rows(*from_keys(top), others, packed[..., 2 * k], packed[..., 2 * k + 1],
+                         top_p, top_p_min_k, backend)
+    # one all-gather of the parts: indices (below 2**31) as int32 bits beside the float32s
+    out = torch.cat([merged[0].int().view(torch.float32), merged[1], merged[2][:, None]], -1)
+    out = parallel.gather_rows(out, group, part)[:values.shape[0]]
+    return (out[:, :k].contiguous().view(torch.int32).long(), out[:, k:2 * k].contiguous(),
+            out[:, 2 * k].contiguous())
 
+
+def _merge_rows(values, indices, others, rest_max, rest_logsum, top_p, top_p_min_k, backend):
+    """``(indices, logprobs, rest_logprob)`` of rows from their global top K ``values`` /
+    ``indices`` ``[b, K]`` (canonical order), the candidates past them ``others`` ``[b, c]``
+    and every rank's rest ``(max, log-sum)`` ``[b, R]``; each row's result depends on the row
+    alone."""
     centered, rest, log_norm = backend.kernel(_normalize)(
         values, others, rest_max.contiguous(), rest_logsum.contiguous())
     logprobs = centered - log_norm
