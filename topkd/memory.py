@@ -136,12 +136,13 @@ SELECT_CACHE_BYTES = 8 * 2**20
 
 
 def select_rows(chunk_bytes, count: int, valid: int, element_size: int, fused: bool,
-                backend, device_type: str = "cpu") -> int:
+                backend, device_type: str) -> int:
     """Rows per chunk of the teacher's selection: its float32 buffers of the ``valid`` columns
     within :data:`SELECT_FACTOR` (fused: :data:`FUSED_SELECT_FACTOR`) times the budget. A
     backend that widens the chunk holds it and, about as large again, its mask and candidates;
     one that reads the chunk in its own dtype holds a byte per entry and the candidates, a
-    buffer in all. On a CPU, a logits chunk is also kept within :data:`SELECT_CACHE_BYTES`."""
+    buffer in all. On a CPU (``device_type``), a logits chunk is also kept within
+    :data:`SELECT_CACHE_BYTES`."""
     factor = FUSED_SELECT_FACTOR if fused else SELECT_FACTOR
     per = chunk_rows(factor * budget_bytes(chunk_bytes, count, valid, element_size), valid,
                      count, 4, buffers=2 if backend.widens_chunks else 1)

@@ -13,7 +13,8 @@ Who calls what, per loss call (forward; backward has none but the last):
   full-vocabulary path 3.
 - :func:`rows_to_ranks` and :func:`gather_rows`: the teacher's selection
   (:mod:`topkd.select`), per merge block of rows one all-to-all of the candidates (each rank
-  merges a part of the rows) and one all-gather of the merged parts.
+  merges a part of the rows) and one all-gather of the merged parts; called only across ranks
+  (neither is a no-op for ``None``).
 - :class:`AllReduceGradient`: the fused losses with ``reduce_hidden_grad=True``, one SUM
   all-reduce of the hidden states' gradient in backward.
 
