@@ -236,6 +236,25 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def cpu_family() -> str | None:
+    """``"family F model M"`` from ``/proc/cpuinfo`` (x86 Linux), or None: a model name such
+    as "AMD EPYC" names several generations (Zen 3 with AVX2 is family 25 model 1, Zen 4
+    with AVX-512 family 25 model 17)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return None
+    if "cpu family" not in fields or "model" not in fields:
+        return None
+    return f"family {fields['cpu family']} model {fields['model']}"
+
+
 def cpu_capability() -> str | None:
     """The vector ISA PyTorch's CPU kernels dispatch to ("AVX512", "AVX2", ...), or None."""
     import torch
@@ -248,7 +267,8 @@ def run_meta(section: str, argv, t_start: float, load_start) -> dict:
     """The fields of a section's ``meta`` that describe the run itself."""
     prefix = "python -m benchmarks" + (f" {section}" if section else "")
     return {"python": platform.python_version(), "machine": platform.machine(),
-            "cpu_model": cpu_model(), "cpu_capability": cpu_capability(),
+            "cpu_model": cpu_model(), "cpu_family": cpu_family(),
+            "cpu_capability": cpu_capability(),
             "cpus": os.cpu_count(), "command": " ".join([prefix, *argv]),
             "total_s": time.perf_counter() - t_start, "loadavg_start": load_start,
             "loadavg_end": loadavg()}
@@ -607,7 +627,8 @@ def load_line(meta: dict) -> str | None:
     """The machine's load during the run, or None when the run did not record it."""
     if not (meta.get("loadavg_start") and meta.get("loadavg_end")):
         return None
-    cpu = ", ".join(x for x in (meta.get("cpu_model"), meta.get("cpu_capability")) if x)
+    name = " ".join(x for x in (meta.get("cpu_model"), meta.get("cpu_family")) if x)
+    cpu = ", ".join(x for x in (name, meta.get("cpu_capability")) if x)
     return (f"{meta['cpus']} CPUs" + (f" ({cpu})" if cpu else "")
             + f"; load average (1 min) {meta['loadavg_start'][0]:.2f} at the start, "
             f"{meta['loadavg_end'][0]:.2f} at the end; total {meta['total_s']:.0f} s.")

@@ -19,9 +19,22 @@ def test_run_meta_names_the_cpu_and_its_isa():
         with open("/proc/cpuinfo") as f:
             names = {line.split(":", 1)[1].strip() for line in f if line.startswith("model name")}
         assert meta["cpu_model"] in names
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+        fields = dict((k.strip(), v.strip()) for k, _, v in
+                      (line.partition(":") for line in first.splitlines()))
+        if "cpu family" in fields:  # x86
+            assert meta["cpu_family"] == f"family {fields['cpu family']} model {fields['model']}"
+            assert meta["cpu_family"] in harness.load_line(meta)
     line = harness.load_line(meta)
     assert line.startswith(f"{meta['cpus']} CPUs (")
     assert meta["cpu_capability"] in line and "load average" in line
+
+
+def test_load_line_names_the_cpu_generation():
+    meta = {"cpus": 2, "loadavg_start": [1.0] * 3, "loadavg_end": [1.0] * 3, "total_s": 1.0,
+            "cpu_model": "AMD EPYC", "cpu_family": "family 25 model 1", "cpu_capability": "AVX2"}
+    assert harness.load_line(meta).startswith("2 CPUs (AMD EPYC family 25 model 1, AVX2); ")
 
 
 def test_load_line_without_the_cpu_fields():
