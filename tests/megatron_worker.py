@@ -395,6 +395,23 @@ def run_errors(tp, rank, check):
                                                                   model_config=config),
          ValueError, "give the batch layout [b, s, K]"),
     ]
+    # other kernels on the first rank only: the exchange of the widths refuses them everywhere
+    from topkd.backends.compiled import compiler_missing
+    from topkd.integrations import megatron_fused as mf
+
+    impl = "eager" if rank == 0 else "compile"
+    kernels = str(["eager", *["compile"] * (tp - 1)])
+    batch_teacher = SparseTeacher(torch.zeros(b, s, 3, dtype=torch.long), torch.zeros(b, s, 3),
+                                  torch.zeros(b, s), 1.0, 20 * tp)
+    hidden, weight = torch.randn(s, b, 16), torch.randn(20, 16)
+    cases += [] if tp == 1 or compiler_missing("cpu") else [
+        ("kernels differ: topk_kl_loss", lambda: tmeg.topk_kl_loss(
+            logits, logits, 3, model_config=config, impl=impl), ValueError, kernels),
+        ("kernels differ: sparse_kl_loss", lambda: tmeg.sparse_kl_loss(
+            logits, batch_teacher, model_config=config, impl=impl), ValueError, kernels),
+        ("kernels differ: fused_kl_loss", lambda: mf.fused_kl_loss(
+            hidden, weight, logits, model_config=config, impl=impl), ValueError, kernels),
+    ]
     for name, call, error, words in cases:
         try:
             call()

@@ -26,6 +26,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
 import reference  # noqa: E402
 
 import topkd  # noqa: E402
+from topkd.backends.compiled import compiler_missing  # noqa: E402
 
 LOSS_RTOL = 1e-6
 REF_RTOL = 1e-5  # loss vs float64, relative (to the batch's loss scale, per row)
@@ -497,6 +498,26 @@ def run_edge_cases(group, rank, failures):
         pass
     except Exception as e:  # noqa: BLE001  (e.g. a gloo timeout: a rank was left waiting)
         failures.append(f"[TP width mismatch on rank 0 only] {type(e).__name__}: {e}")
+    # other kernels on rank 0 only (their chunk heights, and so their collectives, differ):
+    # a ValueError on every rank, raised before any kernel runs (where they can compile)
+    impl = "eager" if rank == 0 else "compile"
+    differ = [
+        ("topk_kl_loss", lambda: topkd.topk_kl_loss(s, t, 3, impl=impl, process_group=group)),
+        ("kl_loss", lambda: topkd.kl_loss(s, t, impl=impl, process_group=group)),
+        ("select_topk", lambda: topkd.select_topk(t, 3, impl=impl, process_group=group)),
+    ]
+    if compiler_missing("cpu"):
+        differ = []
+    for name, call in differ:
+        try:
+            call()
+            failures.append(f"[TP kernels differ: {name}] no error on this rank")
+        except ValueError as e:
+            expected = str(["eager", *["compile"] * (world - 1)])
+            if "differ across ranks" not in str(e) or expected not in str(e):
+                failures.append(f"[TP kernels differ: {name}] another message: {e}")
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"[TP kernels differ: {name}] {type(e).__name__}: {e}")
     del start, stop
 
 

@@ -67,7 +67,8 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
         labels: int ``[...]`` token ids for the hard-label term (``options.ce_weight``).
         shards: for an integration that has exchanged the shard widths already (to check them
             against its own config first): ``{"student": Shard, "teacher": Shard}`` from
-            :func:`topkd.parallel.exchange_shards` with the same row count (``"teacher"``
+            :func:`topkd.parallel.exchange_shards` with the same row count and
+            ``same=topkd.backends.across_ranks(...)`` of the call's kernels (``"teacher"``
             omitted for a SparseTeacher). ``None``: exchanged here (one small all-gather).
         owner: internal (:mod:`topkd.sharded`): the rows of a gathered batch this rank owns.
 
@@ -118,7 +119,7 @@ def distill_loss(student, teacher, options: KDOptions, *, mask: torch.Tensor | N
     fields["temperature"] = temperature
     n = lead.numel()
     widths = {"student": _width(student_tensors), "teacher": width}
-    shards = _exchange(options, widths, n, x.device, shards)
+    shards = _exchange(options, widths, n, x.device, shards, fields["backend"])
     vocab = _checks.vocab_size(options.vocab_size,
                                (names["width"], shards["student"].total),
                                (names["teacher_width"], shards["teacher"].total))
@@ -253,7 +254,7 @@ def _rows_teacher(student_tensors, teacher, teacher_tensors, options, names, lea
     fields["temperature"] = teacher.temperature
     n = lead.numel()
     shard = _exchange(options, {"student": _width(student_tensors)}, n, x.device,
-                      shards)["student"]
+                      shards, fields["backend"])["student"]
     vocab = _checks.vocab_size(options.vocab_size, (names["width"], shard.total))
     desc = (f"{names['width']} {shard.total}" if "logits" not in student_tensors else
             f"student_logits width {shard.total}, vocab_size={options.vocab_size}")
@@ -357,10 +358,12 @@ def _teacher_input(teacher, lead_shape, fused: bool, names: dict):
     )
 
 
-def _exchange(options: KDOptions, widths: dict, n: int, device, shards):
-    """This rank's shard of each tensor in ``widths``: exchanged here, or the caller's."""
+def _exchange(options: KDOptions, widths: dict, n: int, device, shards, backend):
+    """This rank's shard of each tensor in ``widths``: exchanged here (with ``backend``, which
+    every rank must share), or the caller's."""
     if shards is None:
-        return parallel.exchange_shards(options.process_group, widths, n, device)
+        return parallel.exchange_shards(options.process_group, widths, n, device,
+                                        same=backends.across_ranks(backend))
     if set(widths) - set(shards):
         raise ValueError(f"shards must hold {sorted(widths)}, got {sorted(shards)}")
     for name, width in widths.items():

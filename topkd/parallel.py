@@ -34,6 +34,7 @@ A head that is a DTensor sharded by vocabulary rows over a data-parallel mesh (F
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -61,14 +62,23 @@ class Shard:
         return max(0, min(self.width, vocab_size - self.offset))
 
 
-def exchange_shards(group, widths: dict[str, int], count: int, device) -> dict[str, Shard]:
+def exchange_shards(group, widths: dict[str, int], count: int, device,
+                    same: dict[str, tuple[str, tuple[str, ...]]] | None = None
+                    ) -> dict[str, Shard]:
     """Each named tensor's shard on this rank, from every rank's widths (one small all-gather
     of a few integers, on the inputs' ``device``).
+
+    ``same``: ``{what: (this rank's value, values to name)}``, strings every rank must share
+    (the kernels: their chunk heights, and so their collectives, differ), sent with the
+    widths as their CRC-32; a rank's value outside the names (and this rank's own) is shown
+    as ``"?"``.
 
     Every rank validates the same gathered numbers, so a bad input raises the same error on
     all ranks instead of leaving some of them waiting in a collective.
     """
-    local = [*widths.values(), count]
+    same = same or {}
+    codes = [_code(value) for value, _ in same.values()]
+    local = [*widths.values(), *codes, count]
     if group is None:
         shapes = [local]
     else:
@@ -79,6 +89,13 @@ def exchange_shards(group, widths: dict[str, int], count: int, device) -> dict[s
     row_counts = [s[-1] for s in shapes]
     if len(set(row_counts)) > 1:
         raise ValueError(f"the number of rows differs across ranks: {row_counts}")
+    for i, (what, (value, names)) in enumerate(same.items()):
+        codes = [s[len(widths) + i] for s in shapes]
+        if len(set(codes)) > 1:
+            named = {_code(name): name for name in (*names, value)}
+            seen = [named.get(code, "?") for code in codes]
+            raise ValueError(f"{what} differ across ranks: {seen} (by rank); every rank must "
+                             f"run the same")
     rank = 0 if group is None else dist.get_rank(group)
     shards = {}
     for i, name in enumerate(widths):
@@ -86,6 +103,11 @@ def exchange_shards(group, widths: dict[str, int], count: int, device) -> dict[s
         shards[name] = Shard(offset=sum(all_widths[:rank]), width=all_widths[rank],
                              total=sum(all_widths), widest=max(all_widths))
     return shards
+
+
+def _code(value: str) -> int:
+    """``value`` as an integer every process computes alike (Python's ``hash`` is salted)."""
+    return zlib.crc32(value.encode())
 
 
 def all_reduce_max_(tensor: torch.Tensor, group) -> torch.Tensor:

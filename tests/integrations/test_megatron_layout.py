@@ -23,9 +23,9 @@ def exchanges(monkeypatch):
     calls = []
     real = topkd.parallel.exchange_shards
 
-    def counting(group, widths, rows, device):
-        calls.append(sorted(widths))
-        return real(group, widths, rows, device)
+    def counting(group, widths, rows, device, same=None):
+        calls.append((sorted(widths), same))
+        return real(group, widths, rows, device, same=same)
 
     monkeypatch.setattr(topkd.parallel, "exchange_shards", counting)
     return calls
@@ -60,5 +60,7 @@ def test_one_exchange_per_call_and_the_plain_loss(case, exchanges):
         got = megatron_fused.fused_kl_loss(hidden, weight, t, model_config=config, **opts)
         want = topkd.fused_kl_loss(hidden, weight, t, **opts)
     assert len(exchanges) == 2  # one for the Megatron call, one for the plain call
+    eager = topkd.backends.across_ranks(topkd.backends.EAGER)
+    assert [same for _, same in exchanges] == [eager, eager]  # each carries the kernels
     assert got.shape == (B, S) and got.is_contiguous()
     torch.testing.assert_close(got, want.transpose(0, 1), rtol=0, atol=0)

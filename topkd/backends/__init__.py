@@ -26,7 +26,8 @@ IMPLS = ("auto", "eager", "compile")
 ENV = "TOPKD_IMPL"
 _warned: set[str] = set()
 
-__all__ = ["COMPILED", "EAGER", "ENV", "IMPLS", "Backend", "check_impl", "choose"]
+__all__ = ["COMPILED", "EAGER", "ENV", "IMPLS", "Backend", "across_ranks", "check_impl",
+           "choose"]
 
 
 def check_impl(impl) -> str:
@@ -61,6 +62,14 @@ def choose(impl: str, device: torch.device) -> Backend:
         warnings.warn(f"topkd: impl='auto' runs the eager kernels on {device.type}: {missing}",
                       RuntimeWarning, stacklevel=3)
     return EAGER
+
+
+def across_ranks(backend: Backend) -> dict:
+    """:func:`topkd.parallel.exchange_shards`'s ``same`` for a call that runs ``backend``:
+    every rank of a group must run the same kernels (their chunk heights, and so the
+    collectives per chunk, differ), whatever chose them (``impl``, ``$TOPKD_IMPL``, a
+    compiler missing on one machine)."""
+    return {"the loss kernels (impl)": (backend.name, (EAGER.name, COMPILED.name))}
 
 
 def _is_compiling() -> bool:

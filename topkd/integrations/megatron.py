@@ -29,7 +29,7 @@ except ImportError as e:
     raise ImportError('topkd.integrations.megatron needs megatron-core: pip install '
                       '"topkd[megatron]"') from e
 
-from .. import _checks, parallel
+from .. import _checks, backends, parallel
 from ..entry import distill_loss
 from ..options import KDOptions
 from ..teacher import SparseTeacher
@@ -159,7 +159,7 @@ def check_widths(layout: VocabLayout, shards: dict, tp: int) -> None:
                 f"tensor-parallel ranks' {name} hold {shard.total} columns in all")
 
 
-def prepare(model_config, student_logits, teacher_logits, vocab_size: int | None):
+def prepare(model_config, student_logits, teacher_logits, vocab_size: int | None, impl: str):
     """Checked ``(student [s, b, V_r], teacher [s, b, V_r], group, vocab_size, shards)`` for
     :func:`topkd.distill_loss`. The checks that need every rank's widths run on the same
     gathered numbers on all ranks (the loss's one exchange of them), so a bad input raises
@@ -174,9 +174,16 @@ def prepare(model_config, student_logits, teacher_logits, vocab_size: int | None
     group = tensor_parallel_group(model_config)
     shards = parallel.exchange_shards(group, {"student logits": student.shape[-1],
                                               "teacher logits": teacher.shape[-1]},
-                                      student.shape[:2].numel(), student.device)
+                                      student.shape[:2].numel(), student.device,
+                                      same=kernels(impl, student.device))
     check_widths(layout, shards, tensor_parallel_size(model_config))
     return student, teacher, group, layout.vocab_size, _loss_shards(shards)
+
+
+def kernels(impl: str, device) -> dict:
+    """:func:`topkd.parallel.exchange_shards`'s ``same`` for a loss with ``impl`` on
+    ``device``: every rank must run the same kernels."""
+    return backends.across_ranks(backends.choose(impl, device))
 
 
 def _loss_shards(shards: dict) -> dict:
@@ -223,7 +230,8 @@ def topk_kl_loss(student_logits, teacher_logits, k: int, *, model_config,
     """
     options = KDOptions.of(options, allowed=TOPK_OPTIONS, k=_checks.integer("k", k, 1))
     student, teacher, group, vocab, shards = prepare(model_config, student_logits,
-                                                     teacher_logits, options.vocab_size)
+                                                     teacher_logits, options.vocab_size,
+                                                     options.impl)
     options = options.replace(vocab_size=vocab, process_group=group)
     return _sequence_loss(student, teacher, options, shards)
 
@@ -233,7 +241,8 @@ def kl_loss(student_logits, teacher_logits, *, model_config, **options) -> torch
     as in :func:`topk_kl_loss`."""
     options = KDOptions.of(options, allowed=KL_OPTIONS)
     student, teacher, group, vocab, shards = prepare(model_config, student_logits,
-                                                     teacher_logits, options.vocab_size)
+                                                     teacher_logits, options.vocab_size,
+                                                     options.impl)
     options = options.replace(vocab_size=vocab, process_group=group)
     return _sequence_loss(student, teacher, options, shards)
 
@@ -284,7 +293,8 @@ def sparse_kl_loss(student_logits, teacher: SparseTeacher, *, model_config,
     layout = vocab_layout(model_config, options.vocab_size)
     group = tensor_parallel_group(model_config)
     shards = parallel.exchange_shards(group, {"student logits": student.shape[-1]},
-                                      student.shape[:2].numel(), student.device)
+                                      student.shape[:2].numel(), student.device,
+                                      same=kernels(options.impl, student.device))
     check_widths(layout, shards, tensor_parallel_size(model_config))
     vocab = teacher.vocab_size if layout.vocab_size is None else layout.vocab_size
     options = options.replace(vocab_size=vocab, process_group=group)
