@@ -224,32 +224,31 @@ def threads_of(results, requested: int) -> int:
     return torch.get_num_threads()
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere), or None."""
+def _first_cpu() -> dict[str, str]:
+    """The first processor's fields in ``/proc/cpuinfo`` (empty where there is none)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or None
+    return fields
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere), or None."""
+    return _first_cpu().get("model name") or platform.processor() or None
 
 
 def cpu_family() -> str | None:
     """``"family F model M"`` from ``/proc/cpuinfo`` (x86 Linux), or None: a model name such
     as "AMD EPYC" names several generations (Zen 3 with AVX2 is family 25 model 1, Zen 4
     with AVX-512 family 25 model 17)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        return None
+    fields = _first_cpu()
     if "cpu family" not in fields or "model" not in fields:
         return None
     return f"family {fields['cpu family']} model {fields['model']}"

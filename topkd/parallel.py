@@ -90,10 +90,10 @@ def exchange_shards(group, widths: dict[str, int], count: int, device,
     if len(set(row_counts)) > 1:
         raise ValueError(f"the number of rows differs across ranks: {row_counts}")
     for i, (what, (value, names)) in enumerate(same.items()):
-        codes = [s[len(widths) + i] for s in shapes]
-        if len(set(codes)) > 1:
+        ranks = [s[len(widths) + i] for s in shapes]
+        if len(set(ranks)) > 1:
             named = {_code(name): name for name in (*names, value)}
-            seen = [named.get(code, "?") for code in codes]
+            seen = [named.get(code, "?") for code in ranks]
             raise ValueError(f"{what} differ across ranks: {seen} (by rank); every rank must "
                              f"run the same")
     rank = 0 if group is None else dist.get_rank(group)

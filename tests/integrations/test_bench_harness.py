@@ -17,12 +17,12 @@ def test_run_meta_names_the_cpu_and_its_isa():
     assert meta["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     if sys.platform.startswith("linux"):
         with open("/proc/cpuinfo") as f:
-            names = {line.split(":", 1)[1].strip() for line in f if line.startswith("model name")}
+            text = f.read()
+        names = {line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")}
         assert meta["cpu_model"] in names
-        with open("/proc/cpuinfo") as f:
-            first = f.read().split("\n\n")[0]
         fields = dict((k.strip(), v.strip()) for k, _, v in
-                      (line.partition(":") for line in first.splitlines()))
+                      (line.partition(":") for line in text.split("\n\n")[0].splitlines()))
         if "cpu family" in fields:  # x86
             assert meta["cpu_family"] == f"family {fields['cpu family']} model {fields['model']}"
             assert meta["cpu_family"] in harness.load_line(meta)
