@@ -28,7 +28,8 @@ Top-K path (``sparse_statistics`` / ``sparse_gradient``)
 Full-vocabulary path (``dense_statistics`` / ``dense_terms`` / ``dense_gradient``), every
 divergence with its own ``terms``:
   - KL ...................................... ``kl-labels_T2-neg_inf`` (labels, T != 1, -inf),
-    ``kl-bf16*``
+    ``kl-bf16*``; on a CPU its row sums from ``kl_sums``, the rows that leaves NaN from
+    ``dense_terms``: ``test_kl_terms_underflow_against_student_neg_inf``
   - reverse KL .............................. ``kl-reverse_kl-labels_T1*`` (bf16, labels at
     T = 1), ``kl-fp16-labels_T2`` (fp16, labels at T != 1)
   - JSD ..................................... ``kl-jsd-neg_inf*``,
@@ -252,6 +253,35 @@ def test_one_row_equals_eager(dtype):
             assert_agree(_call(loss, d, "eager", reduction=reduction),
                          _call(loss, d, "compile", reduction=reduction),
                          f"{loss}, one row, {reduction}")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_kl_terms_underflow_against_student_neg_inf(dtype, monkeypatch):
+    """KL's terms on a CPU (``kl_sums``, one use of each exponential): a column where the
+    teacher's probability underflows to 0 and the student's logit is -inf (``0 * inf``, which
+    ``kl_sums`` leaves NaN) has its row summed again by ``dense_terms`` (that row only), and
+    equals eager; so do a student -inf against the teacher's mass (an infinite loss) and a
+    teacher -inf against a student -inf."""
+    d = _data(dtype)
+    s, t = d["s"].clone(), d["t"].clone()
+    t[0, 0, 10] = t[0, 0].max() - 300.0  # exp(-300) is 0 in float32
+    s[0, 0, 10] = NEG_INF
+    s[0, 1, 3] = NEG_INF
+    s[1, 2, 7] = t[1, 2, 7] = NEG_INF
+    d["s"], d["t"] = s, t
+    compiled = topkd.backends.compiled
+    again = []
+
+    def spy(*args):
+        again.append(args[1].shape[0])
+        return compiled_terms(*args)
+
+    compiled_terms = compiled.dense_terms
+    monkeypatch.setattr(compiled, "dense_terms", spy)
+    eager, got = _call("kl_loss", d, "eager"), _call("kl_loss", d, "compile")
+    assert_agree(eager, got, f"KL terms, {dtype}")
+    assert torch.isinf(got[0][0, 1]) and torch.isfinite(got[0][0, 0]), got[0]
+    assert again == [1], again  # the one row with 0 * inf, once
 
 
 def test_agreement_check_can_fail():
