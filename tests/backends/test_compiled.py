@@ -422,7 +422,7 @@ def test_scan_keys_are_the_eager_compactions(rows, sync_free, float_count, monke
             full = 0 if sync_free else 3001
             assert want_count[1] == 0 and want_count[3] == full
             assert (want_count[2] > capacity) != sync_free
-        sampled = compiled._Sampled(temperature, 1.0, None, None)
+        sampled = compiled._Sampled(temperature, 1.0, None)
         keys, count, _ = sampled.scan(low, limits / temperature, capacity)
         assert torch.equal(count, want_count), (count, want_count)
         assert keys.shape == want_keys.shape == (rows, capacity + 1)
@@ -527,6 +527,25 @@ def test_no_recompiles_across_row_counts(loss):
     assert graphs[3:] == [graphs[2]] * 5, f"unique graphs after each call: {graphs}"
 
 
+def test_candidate_positions_and_words_are_sized_apart():
+    """The scan's word and position counts are equal in a chunk that is not whole words (one
+    word per position) and differ in one that is: after a call with them equal, a call with
+    them apart compiles no new graph (dynamo would otherwise take them for one size, and
+    guard on it). The kernels' caches are reset first, so the first call compiles."""
+    from topkd.backends import compiled
+
+    torch._dynamo.reset()
+    sampled, graphs = compiled._Sampled(1.0, 1.0, None), []
+    for rows in (3, 8):  # 3 x 3,001 flags: not whole words; 8 x 3,001: whole words
+        g = torch.Generator().manual_seed(rows)
+        low = (torch.randn(rows, 3001, generator=g) * 2).to(BF16)
+        words, at = compiled.topk.nonzero_words((low >= 1.0).view(torch.int8).view(-1))
+        assert (words.shape[0] == at.shape[0]) == (rows == 3)
+        sampled.scan(low, torch.full((rows,), 1.0), 2000)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0], f"unique graphs after each call: {graphs}"
+
+
 @pytest.mark.parametrize("loss", ["topk_kl_loss", "kl_loss"])
 def test_no_recompiles_at_default_chunks(loss):
     """A user's variable sequence lengths at the default chunk size: one chunk that is the
@@ -591,6 +610,7 @@ def no_compiler(monkeypatch):
 def _forbid_compiled(monkeypatch):
     """Make every compiled kernel raise, so a call that uses one fails."""
     for name in ("sparse_statistics", "sparse_gradient", "dense_statistics", "dense_terms",
+                 "kl_sums", "kl_h_sums",
                  "dense_gradient", "read", "log_sum_exp", "sample_threshold", "threshold_scan",
                  "candidate_keys", "_kernel", "accumulate_"):
         def boom(*args, _name=name, **kwargs):

@@ -14,6 +14,7 @@ later processes start fast.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -60,7 +61,7 @@ def compiler_missing(device_type: str) -> str | None:
     return f"topkd compiles kernels on cpu and cuda only, not {device_type}"
 
 
-def _compiled(fn=None, *, rows: bool = True):
+def _compiled(fn=None, *, rows: bool = True, duck: bool = True):
     """``fn`` compiled lazily (once per process, dynamic shapes), called with a recompile
     limit of its own.
 
@@ -76,9 +77,14 @@ def _compiled(fn=None, *, rows: bool = True):
     A factor (an argument named in :data:`_FACTORS`: it only multiplies or divides) of exactly
     1.0 is passed as None, and the kernel leaves its operation out, as the eager kernels do
     (exact: ``x * 1 = x / 1 = x``). Dynamo passes a float as a tensor to the kernel, so
-    ``x / 1.0`` would otherwise run as a division per element."""
+    ``x / 1.0`` would otherwise run as a division per element.
+
+    ``duck=False``: sizes that happen to be equal at the first call are not taken to be one
+    size (dynamo's duck sizing), for a kernel whose arguments' sizes are independent: it
+    would otherwise guard on their equality and compile again at the first call where they
+    differ."""
     if fn is None:
-        return functools.partial(_compiled, rows=rows)
+        return functools.partial(_compiled, rows=rows, duck=duck)
     state = {}
     names = list(inspect.signature(fn).parameters)
     factors = [i for i, name in enumerate(names) if name in _FACTORS]
@@ -100,7 +106,7 @@ def _compiled(fn=None, *, rows: bool = True):
         given = args
         if single:
             args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
-        with torch._dynamo.config.patch(_recompile_limits()):
+        with torch._dynamo.config.patch(_recompile_limits()), _duck_sizing(duck):
             out = state["fn"](*args)
         if not single:
             return out
@@ -127,6 +133,18 @@ def _recompile_limits() -> dict:
     old = not hasattr(torch._dynamo.config, "recompile_limit")
     name = "cache_size_limit" if old else "recompile_limit"
     return {name: _RECOMPILE_LIMIT, f"accumulated_{name}": 4 * _RECOMPILE_LIMIT}
+
+
+def _duck_sizing(on: bool):
+    """A context in which dynamo takes equal sizes to be one (its default) or not (where this
+    torch has the setting)."""
+    try:
+        from torch.fx.experimental import _config
+    except ImportError:
+        _config = None
+    if on or not hasattr(_config, "use_duck_shape"):
+        return contextlib.nullcontext()
+    return _config.patch(use_duck_shape=False)
 
 
 _seen: set = set()
@@ -464,19 +482,21 @@ def sample_threshold(sample, keep, pivots, temperature, logit_scale, softcap):
 
 
 @_compiled
-def threshold_scan(low, threshold, temperature, logit_scale, softcap, out):
-    """``(out, below [r], count [r])`` of a chunk's ``b = logits / T`` in one pass: ``out``
-    (int8 ``[r, W]``) 1 where ``b >= threshold`` (``[r]``), else 0 (inductor stores an int8
-    several times faster than a bool), the row sum of ``exp(b - threshold)`` below it, and
-    how many are at or above it (float32: exact below 2**24 columns)."""
+def threshold_scan(low, threshold, temperature, logit_scale, softcap):
+    """``(flags, below [r], count [r])`` of a chunk's ``b = logits / T`` in one pass:
+    ``flags`` (int8 ``[r, W]``, new) 1 where ``b >= threshold`` (``[r]``), else 0 (inductor
+    stores an int8 several times faster than a bool), the row sum of ``exp(b - threshold)``
+    below it, and how many are at or above it (float32: exact below 2**24 columns). (Written
+    into a buffer the caller passed, the flags took a second loop over the chunk, 8 lanes
+    wide with half-vector bf16 loads on a CPU: a copy into an input is a node of its own.)"""
     b = _over(_logits(low, logit_scale, softcap), temperature)
     above = b >= threshold[:, None]
     flag = torch.where(above, 1.0, 0.0)  # (float: stored faster, summed exactly, vectorized)
     below = torch.where(above, 0.0, torch.exp(b - threshold[:, None])).sum(-1)
-    return out.copy_(flag), below, flag.sum(-1)
+    return flag.to(torch.int8), below, flag.sum(-1)
 
 
-@_compiled(rows=False)
+@_compiled(rows=False, duck=False)
 def candidate_keys(low, words, at, start, capacity, temperature, logit_scale, softcap):
     """:func:`topkd.topk.candidate_keys` of a chunk's ``logits / T`` at the flat positions
     of :func:`topkd.topk.nonzero_words`' ``(words, at)`` (``[n]``, ascending; ``at`` -1:
@@ -509,9 +529,8 @@ class _Sampled:
     """:func:`topkd.topk.sampled_top`'s kernels on a chunk in its own dtype: no float32 copy
     of it, and no host sync off a CPU (:func:`topkd.topk.positions`)."""
 
-    def __init__(self, temperature, logit_scale, softcap, scratch):
+    def __init__(self, temperature, logit_scale, softcap):
         self.options = (temperature, logit_scale, softcap)
-        self.scratch = scratch
         # products and quotients round alike in every kernel; a softcap's tanh may not
         self.rounding_gap = 0.0 if softcap is None else 2.0**-16
 
@@ -522,8 +541,7 @@ class _Sampled:
                                 *self.options)
 
     def scan(self, low, threshold, capacity):
-        flags = empty(self.scratch, "select", *low.shape, torch.int8, low.device)
-        above, below, count = threshold_scan(low, threshold, *self.options, flags)
+        above, below, count = threshold_scan(low, threshold, *self.options)
         if topk.no_host_sync(low.device):
             flat, _, count = positions(above.view(torch.bool), capacity, sync_free=True)
             words, at = topk.word_parts(flat)
@@ -658,7 +676,7 @@ class CompiledBackend(Backend):
             return (*self.select_exact(low, k, temperature, logit_scale, softcap, scratch),
                     torch.ones(low.shape[0], dtype=torch.bool, device=low.device))
         return sampled_top(low, k + 1, plan,
-                           _Sampled(temperature, logit_scale, softcap, scratch), ordered)
+                           _Sampled(temperature, logit_scale, softcap), ordered)
 
     def select_exact(self, low, k, temperature, logit_scale, softcap, scratch=None):
         b = read(low, temperature, logit_scale, softcap,
