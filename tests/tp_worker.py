@@ -518,6 +518,34 @@ def run_edge_cases(group, rank, failures):
                 failures.append(f"[TP kernels differ: {name}] another message: {e}")
         except Exception as e:  # noqa: BLE001
             failures.append(f"[TP kernels differ: {name}] {type(e).__name__}: {e}")
+    # impl="compile" where a machine cannot compile: learned at the exchange, not raised
+    # before it (which would leave the other ranks waiting there): on rank 0 only, a
+    # ValueError on every rank; on all, the RuntimeError on every rank
+    compiled = topkd.backends.compiled
+    for missing_on, error in (({0}, ValueError), (set(range(world)), RuntimeError)):
+        if compiler_missing("cpu") and missing_on != set(range(world)):
+            continue
+        found = compiled.compiler_missing
+        if rank in missing_on:
+            compiled.compiler_missing = lambda device_type: "no C++ compiler (a test's)"
+        try:
+            for name, call in (
+                    ("kl_loss", lambda: topkd.kl_loss(s, t, impl="compile", process_group=group)),
+                    ("select_topk", lambda: topkd.select_topk(t, 3, impl="compile",
+                                                              process_group=group))):
+                what = f"[TP compiler missing on ranks {sorted(missing_on)}: {name}]"
+                try:
+                    call()
+                    failures.append(f"{what} no error on this rank")
+                except error as e:
+                    want = ("compile (unavailable)" if error is ValueError
+                            else "no C++ compiler (a test's)")
+                    if want not in str(e):
+                        failures.append(f"{what} another message: {e}")
+                except Exception as e:  # noqa: BLE001  (e.g. a gloo timeout)
+                    failures.append(f"{what} {type(e).__name__}: {e}")
+        finally:
+            compiled.compiler_missing = found
     del start, stop
 
 

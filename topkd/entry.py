@@ -360,10 +360,14 @@ def _teacher_input(teacher, lead_shape, fused: bool, names: dict):
 
 def _exchange(options: KDOptions, widths: dict, n: int, device, shards, backend):
     """This rank's shard of each tensor in ``widths``: exchanged here (with ``backend``, which
-    every rank must share), or the caller's."""
+    every rank must share), or the caller's; then the backend must be one that can run
+    (:func:`topkd.backends.ready`)."""
     if shards is None:
-        return parallel.exchange_shards(options.process_group, widths, n, device,
-                                        same=backends.across_ranks(backend))
+        shards = parallel.exchange_shards(options.process_group, widths, n, device,
+                                          same=backends.across_ranks(backend))
+        backends.ready(backend)
+        return shards
+    backends.ready(backend)
     if set(widths) - set(shards):
         raise ValueError(f"shards must hold {sorted(widths)}, got {sorted(shards)}")
     for name, width in widths.items():
@@ -399,7 +403,7 @@ def _objective(options: KDOptions, labels, lead_shape, device):
               "normalize": options.normalize, "logit_scale": options.logit_scale,
               "softcap": options.softcap, "teacher_logit_scale": options.teacher_logit_scale,
               "teacher_softcap": options.teacher_softcap,
-              "backend": backends.choose(options.impl, device)}
+              "backend": backends.choose(options.impl, device, options.process_group)}
     return fields, labels
 
 

@@ -95,10 +95,11 @@ def select_topk(
     temperature = _checks.temperature(temperature)
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
     chunk_bytes = _checks.chunk_bytes(chunk_bytes)
-    backend = backends.choose(impl, teacher_logits.device)
+    backend = backends.choose(impl, teacher_logits.device, process_group)
     shard = parallel.exchange_shards(process_group, {"teacher": teacher_logits.shape[-1]},
                                      teacher_logits.shape[:-1].numel(), teacher_logits.device,
                                      same=backends.across_ranks(backend))["teacher"]
+    backends.ready(backend)
     vocab = _checks.vocab_size(vocab_size, ("teacher_logits", shard.total))
     k = _checks.integer("k", k, 1, vocab)
     return select_rows(LogitsSource(teacher_logits), k, top_p, top_p_min_k, temperature, vocab,

@@ -26,8 +26,8 @@ IMPLS = ("auto", "eager", "compile")
 ENV = "TOPKD_IMPL"
 _warned: set[str] = set()
 
-__all__ = ["COMPILED", "EAGER", "ENV", "IMPLS", "Backend", "across_ranks", "check_impl",
-           "choose"]
+__all__ = ["COMPILED", "EAGER", "ENV", "IMPLS", "Backend", "Unavailable", "across_ranks",
+           "check_impl", "choose", "ready"]
 
 
 def check_impl(impl) -> str:
@@ -36,12 +36,25 @@ def check_impl(impl) -> str:
     return impl
 
 
-def choose(impl: str, device: torch.device) -> Backend:
+class Unavailable(Backend):
+    """What ``impl="compile"`` gets in a process-group call where this machine cannot compile:
+    a name for the call's exchange, so that the other ranks learn it there instead of waiting
+    in it for a rank that raised, and then :func:`ready`'s RuntimeError on every rank."""
+
+    name = "compile (unavailable)"
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def choose(impl: str, device: torch.device, group=None) -> Backend:
     """The backend a call with ``impl`` on ``device`` runs.
 
     ``"auto"`` (the default) is replaced by ``$TOPKD_IMPL`` when that is set; it compiles when
     the platform can and otherwise runs eager, warning once per process and device type.
-    ``"compile"`` where the platform cannot is a RuntimeError. Inside a region that
+    ``"compile"`` where the platform cannot is a RuntimeError: at once, or with a process
+    ``group``, an :class:`Unavailable` backend that raises it after the call's exchange
+    (:func:`ready`), on every rank. Inside a region that
     ``torch.compile`` is tracing, or under a user's ``TorchFunctionMode`` (which dynamo
     cannot always trace through), the eager backend runs."""
     check_impl(impl)
@@ -55,8 +68,11 @@ def choose(impl: str, device: torch.device) -> Backend:
     if missing is None:
         return COMPILED
     if impl == "compile":
-        raise RuntimeError(f"impl='compile' cannot run on {device.type}: {missing}; use "
-                           f"impl='eager' or 'auto'")
+        error = (f"impl='compile' cannot run on {device.type}: {missing}; use impl='eager' "
+                 f"or 'auto'")
+        if group is not None:
+            return Unavailable(error)
+        raise RuntimeError(error)
     if device.type not in _warned:
         _warned.add(device.type)
         warnings.warn(f"topkd: impl='auto' runs the eager kernels on {device.type}: {missing}",
@@ -69,7 +85,16 @@ def across_ranks(backend: Backend) -> dict:
     every rank of a group must run the same kernels (their chunk heights, and so the
     collectives per chunk, differ), whatever chose them (``impl``, ``$TOPKD_IMPL``, a
     compiler missing on one machine)."""
-    return {"the loss kernels (impl)": (backend.name, (EAGER.name, COMPILED.name))}
+    return {"the loss kernels (impl)": (backend.name,
+                                        (EAGER.name, COMPILED.name, Unavailable.name))}
+
+
+def ready(backend: Backend) -> Backend:
+    """``backend``, once the call's exchange has run; an :class:`Unavailable` one raises its
+    RuntimeError (on every rank: the exchange made sure all chose alike)."""
+    if isinstance(backend, Unavailable):
+        raise RuntimeError(backend.error)
+    return backend
 
 
 def _is_compiling() -> bool:

@@ -175,15 +175,16 @@ def prepare(model_config, student_logits, teacher_logits, vocab_size: int | None
     shards = parallel.exchange_shards(group, {"student logits": student.shape[-1],
                                               "teacher logits": teacher.shape[-1]},
                                       student.shape[:2].numel(), student.device,
-                                      same=kernels(impl, student.device))
+                                      same=kernels(impl, student.device, group))
     check_widths(layout, shards, tensor_parallel_size(model_config))
     return student, teacher, group, layout.vocab_size, _loss_shards(shards)
 
 
-def kernels(impl: str, device) -> dict:
+def kernels(impl: str, device, group) -> dict:
     """:func:`topkd.parallel.exchange_shards`'s ``same`` for a loss with ``impl`` on
-    ``device``: every rank must run the same kernels."""
-    return backends.across_ranks(backends.choose(impl, device))
+    ``device`` in ``group``: every rank must run the same kernels (a compiler missing here
+    raises in the loss, after the exchange, on every rank)."""
+    return backends.across_ranks(backends.choose(impl, device, group))
 
 
 def _loss_shards(shards: dict) -> dict:
@@ -294,7 +295,7 @@ def sparse_kl_loss(student_logits, teacher: SparseTeacher, *, model_config,
     group = tensor_parallel_group(model_config)
     shards = parallel.exchange_shards(group, {"student logits": student.shape[-1]},
                                       student.shape[:2].numel(), student.device,
-                                      same=kernels(options.impl, student.device))
+                                      same=kernels(options.impl, student.device, group))
     check_widths(layout, shards, tensor_parallel_size(model_config))
     vocab = teacher.vocab_size if layout.vocab_size is None else layout.vocab_size
     options = options.replace(vocab_size=vocab, process_group=group)

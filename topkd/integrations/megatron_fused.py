@@ -145,7 +145,7 @@ def _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel, voc
     if teacher_width is not None:
         widths["teacher logits"] = teacher_width
     shards = parallel.exchange_shards(group, widths, seq_batch[0] * seq_batch[1], hidden.device,
-                                      same=megatron.kernels(impl, hidden.device))
+                                      same=megatron.kernels(impl, hidden.device, group))
     megatron.check_widths(layout, shards, tp)
     vocab = layout.vocab_size
     if vocab is None and isinstance(teacher, SparseTeacher):
