@@ -34,7 +34,7 @@ class Recording(EagerBackend):
 @pytest.fixture
 def recording(monkeypatch):
     backend = Recording()
-    monkeypatch.setattr(topkd.backends, "choose", lambda impl, device: backend)
+    monkeypatch.setattr(topkd.backends, "choose", lambda impl, device, group=None: backend)
     return backend
 
 
@@ -71,7 +71,7 @@ def test_engine_runs_the_chosen_backend(recording, loss, reduction, expected):
     assert expected <= set(recording.calls), recording.calls
     recording.calls.clear()
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(topkd.backends, "choose", lambda impl, device: topkd.backends.EAGER)
+        m.setattr(topkd.backends, "choose", lambda impl, device, group=None: topkd.backends.EAGER)
         want = run()
     assert not recording.calls
     assert torch.equal(got[0], want[0])
