@@ -164,6 +164,22 @@ def dense_terms(divergence, state, log_shift, inverse_sum):
     return f_sum, h.nan_to_num_(0.0, float("inf"), NEG_INF).sum(-1), (p, h)
 
 
+def centered_kl_sums(weighted, sums, log_shift, inverse_sum, teacher_weighted: bool):
+    """KL's ``(D row sums, h row sums)`` of a shard from its centered sums, with no pass over
+    the chunk: for ``KL(q || p)`` (``teacher_weighted``; else ``KL(p || q)``, the roles
+    swapped) ``weighted = sum_j eb_j (b_j - a_j)`` (``0 * inf`` counted 0) and ``sums = (sum
+    ea, sum eb)`` ``[r, 2]``, where ``a``, ``b`` are the logits less the shard's maxima and
+    ``ea``, ``eb`` their exponentials. With ``q = eb * inverse_sum_q`` and ``log q - log p =
+    (b - a) - (log_shift_q - log_shift_p)``: ``D = inverse_sum_q * (weighted + (log_shift_p -
+    log_shift_q) sum eb)``, ``h = -q`` (for ``KL(p || q)``, ``h = p (log p - log q) + p``)."""
+    w, o = (1, 0) if teacher_weighted else (0, 1)
+    offset = torch.where(sums[:, w] > 0, log_shift[:, o] - log_shift[:, w], 0.0)
+    f_sum = inverse_sum[:, w] * (weighted + offset * sums[:, w])
+    f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), f_sum)
+    mass = inverse_sum * sums  # this shard's share of p and q
+    return f_sum, -mass[:, 1] if teacher_weighted else f_sum + mass[:, 0]
+
+
 def dense_refresh(divergence, a, b, row_max, row_sum):
     """:func:`dense_terms`' gradient state for fresh chunks ``a``/``b`` from the saved global
     row maxima and sums ``[r, 2]`` (backward)."""

@@ -23,14 +23,15 @@ import math
 import torch
 
 from .. import topk
-from ..divergences import KL, has_own_terms
-from ..kernels import finite_or_zero
+from ..divergences import KL, ReverseKL, has_own_terms
+from ..kernels import centered_kl_sums, finite_or_zero
 from ..sources import empty
 from ..topk import candidates_, positions, row_starts, sampled_plan, sampled_top
 from .base import Backend
 from .eager import EAGER
 
 NEG_INF = float("-inf")
+_LOG2_E = 1 / math.log(2)
 # Variants (dtype, divergence, options, shape specializations) that one kernel may compile for
 # in a process; dynamo's own default (8) is shared by all callers of one code object.
 _RECOMPILE_LIMIT = 256
@@ -345,16 +346,41 @@ def _both(low_s, low_t, temperature, logit_scale, softcap, t_logit_scale, t_soft
             _over(_logits(low_t, t_logit_scale, t_softcap), temperature))
 
 
+def _shared_exp(x):
+    """``exp(x)`` for a value that two sums use: on a CPU as ``exp2(x log2(e))``, elsewhere
+    ``exp``. (On a CPU inductor stores an exponential (``exp``, not ``exp2``) that two results
+    use into a float32 buffer, and a kernel with a loop over one runs 8 float32 lanes, loading
+    a bf16 or fp16 chunk half a vector at a time through a copy: about 3x the time. The
+    argument's rounding moves a term by up to ``|x|`` float32 ulps; a row's sum of them is as
+    far from float64 as ``exp``'s: 5e-8 to 7e-8 relative (median over rows; max 2e-7 to
+    3e-7, ``exp`` 1e-7 to 3e-7) at V = 248,320 for logits of standard deviation 1 to 10.)"""
+    return torch.exp2(x * _LOG2_E) if x.device.type == "cpu" else torch.exp(x)
+
+
 @_compiled
 def dense_statistics(low_s, low_t, labels, temperature, logit_scale, softcap, t_logit_scale,
-                     t_softcap, ce: bool):
+                     t_softcap, ce: bool, weighted: int | None = None):
     """``(maxima [r, 2], sums [r, 2], *label statistics)`` of this shard's chunks (the
     student's logit transform ``logit_scale``/``softcap``, the teacher's
-    ``t_logit_scale``/``t_softcap``)."""
+    ``t_logit_scale``/``t_softcap``).
+
+    ``weighted``, the column (0 student, 1 teacher) of KL's weights: ``(maxima, sums,
+    weighted sums [r], *label statistics)`` with, for 1, ``sum_j eb_j (b_j - a_j)`` (a term
+    whose ``eb_j`` is 0 counted 0; 0 swaps the roles), ``a``, ``b`` the logits less their
+    maxima: the sums of :func:`topkd.kernels.centered_kl_sums`, in the same pass, as the
+    eager backend's KL passes make them."""
     a, b = _both(low_s, low_t, temperature, logit_scale, softcap, t_logit_scale, t_softcap)
-    (ma, sa), (mb, sb) = _normalizer(a), _normalizer(b)
     label = _label_statistics(low_s, labels, logit_scale, softcap, ce)
-    return (torch.stack([ma, mb], -1), torch.stack([sa, sb], -1), *label)
+    if weighted is None:
+        (ma, sa), (mb, sb) = _normalizer(a), _normalizer(b)
+        return (torch.stack([ma, mb], -1), torch.stack([sa, sb], -1), *label)
+    ma, mb = a.amax(-1), b.amax(-1)
+    a, b = a - _finite(ma)[:, None], b - _finite(mb)[:, None]
+    w, o = (b, a) if weighted else (a, b)
+    e = _shared_exp(w)
+    sums = [o.exp().sum(-1), e.sum(-1)]
+    return (torch.stack([ma, mb], -1), torch.stack(sums[::1 if weighted else -1], -1),
+            (torch.where(e == 0, 0.0, w - o) * e).sum(-1), *label)
 
 
 def _terms(divergence, low_s, low_t, center, log_shift, inverse_sum, temperature,
@@ -381,34 +407,6 @@ def dense_terms(divergence, low_s, low_t, center, log_shift, inverse_sum, temper
                      logit_scale, softcap, t_logit_scale, t_softcap)
     f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), _nan_to_zero(f).sum(-1))
     return f_sum, h.sum(-1)
-
-
-@_compiled
-def kl_sums(low_s, low_t, center, log_shift, inverse_sum, temperature, logit_scale, softcap,
-            t_logit_scale, t_softcap):
-    """KL's ``D`` row sums of this shard, as :func:`dense_terms` gives them for
-    :class:`~topkd.KL` in the same order of operations per element, with each exponential
-    used once: a column where the teacher's logit is -inf counts 0 (its ``q`` is 0) and no
-    other is cleaned, so a term ``0 * inf`` elsewhere (a ``q`` that underflowed to 0 where
-    the student's logit is -inf) makes its row NaN.
-
-    (On a CPU inductor stores an exponential that two results use into a float32 buffer, and
-    a kernel with such a loop runs 8 float32 lanes at a time, loading half a vector of bf16
-    or fp16 logits through a copy; :func:`dense_terms` cleans each term with two uses of it.
-    Here every loop reads the chunk 16 lanes at a time, in about a third of the time.)"""
-    a, b = _both(low_s, low_t, temperature, logit_scale, softcap, t_logit_scale, t_softcap)
-    a, b = a - center[:, 0, None], b - center[:, 1, None]
-    logp, logq = a - log_shift[:, 0, None], b - log_shift[:, 1, None]
-    q = torch.exp(b) * inverse_sum[:, 1, None]
-    return (torch.where(b == NEG_INF, 0.0, logq - logp) * q).sum(-1)
-
-
-@_compiled
-def kl_h_sums(low_t, center, inverse_sum, temperature, t_logit_scale, t_softcap):
-    """KL's ``h = -q`` row sums of this shard, as :func:`dense_terms` gives them (see
-    :func:`kl_sums`)."""
-    b = _over(_logits(low_t, t_logit_scale, t_softcap), temperature) - center[:, 1, None]
-    return (-(torch.exp(b) * inverse_sum[:, 1, None])).sum(-1)
 
 
 @_compiled
@@ -642,20 +640,26 @@ class CompiledBackend(Backend):
     # ---- full-vocabulary path
 
     def dense_statistics(self, cfg, low_s, low_t, label_columns, ce):
+        weighted = _centered(cfg.divergence)
         local_max, local_sum, *extra = dense_statistics(
-            low_s, low_t, label_columns, cfg.temperature, *_transforms(cfg), ce)
+            low_s, low_t, label_columns, cfg.temperature, *_transforms(cfg), ce, weighted)
+        state = (low_s, low_t, label_columns)
+        if weighted is not None:  # for kernels.centered_kl_sums
+            state += ((extra.pop(0), local_sum, bool(weighted)),)
         z_label, ce_norm = _label_extras(extra, label_columns, ce)
-        return (low_s, low_t, label_columns), local_max, local_sum, z_label, ce_norm
+        return state, local_max, local_sum, z_label, ce_norm
 
     def dense_terms(self, cfg, state, local_max, log_shift, inverse_sum):
-        low_s, low_t, _ = state
-        args = (finite_or_zero(local_max), log_shift, inverse_sum, cfg.temperature,
-                *_transforms(cfg))
-        if type(cfg.divergence) is KL and low_s.device.type == "cpu":
-            f_sum, h_sum = _kl_terms(low_s, low_t, args)
+        low_s, low_t, label_columns, *centered = state
+        if centered:
+            weighted, sums, teacher_weighted = centered[0]
+            f_sum, h_sum = centered_kl_sums(weighted, sums, log_shift, inverse_sum,
+                                            teacher_weighted)
         else:
-            f_sum, h_sum = dense_terms(cfg.divergence, low_s, low_t, *args)
-        return f_sum, h_sum, state
+            f_sum, h_sum = dense_terms(cfg.divergence, low_s, low_t, finite_or_zero(local_max),
+                                       log_shift, inverse_sum, cfg.temperature,
+                                       *_transforms(cfg))
+        return f_sum, h_sum, (low_s, low_t, label_columns)
 
     def dense_refresh(self, cfg, low_s, low_t, label_columns, row_max, row_sum):
         return (low_s, low_t, label_columns)
@@ -691,21 +695,12 @@ class CompiledBackend(Backend):
         return accumulate_
 
 
-def _kl_terms(low_s, low_t, args):
-    """:func:`dense_terms`' ``(D row sums, h row sums)`` for KL on a CPU, in two kernels with
-    one use of each exponential (see :func:`kl_sums`), about half the time: the rows
-    :func:`kl_sums` leaves NaN with no NaN in their inputs are summed again by
-    :func:`dense_terms` (a host sync, free on a CPU). Each row's result depends on that row
-    only, however the rows are chunked."""
-    center, log_shift, inverse_sum, temperature, *transforms = args
-    f_sum = kl_sums(low_s, low_t, *args)
-    inputs_nan = torch.isnan(log_shift).any(-1)
-    redo = (torch.isnan(f_sum) & ~inputs_nan).nonzero()[:, 0]
-    if redo.numel():
-        f_sum[redo] = dense_terms(KL(), low_s[redo], low_t[redo], center[redo],
-                                  log_shift[redo], inverse_sum[redo], *args[3:])[0]
-    f_sum = torch.where(inputs_nan, float("nan"), f_sum)
-    return f_sum, kl_h_sums(low_t, center, inverse_sum, temperature, *transforms[2:])
+def _centered(divergence):
+    """The weights' column of KL in either direction (1: the teacher's, ``KL(q || p)``), whose
+    row sums come from the statistics pass, as in the eager backend; None for the others."""
+    if isinstance(divergence, KL):
+        return 1
+    return 0 if isinstance(divergence, ReverseKL) else None
 
 
 @functools.cache

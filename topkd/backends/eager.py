@@ -80,18 +80,13 @@ class _CenteredKL:
 
     def terms(self, state, log_shift, inverse_sum):
         ea, eb, diff, sums = state
-        w, o = self._columns()
-        e_w = (ea, eb)[w]
+        e_w = (ea, eb)[self._columns()[0]]
         # sum_j w_j (log w_j - log o_j), w_j = e_w * inverse_sum_w, log w_j = c_w -
         # log_shift_w; the reverse direction's gradient needs a - b again, so it keeps diff
         product = diff.mul_(e_w) if self.teacher_weighted else diff * e_w
         weighted = torch.nansum(product, -1)  # 0 * inf: a zero weight
-        offset = torch.where(sums[:, w] > 0, log_shift[:, o] - log_shift[:, w], 0.0)
-        f_sum = inverse_sum[:, w] * (weighted + offset * sums[:, w])
-        f_sum = torch.where(torch.isnan(log_shift).any(-1), float("nan"), f_sum)
-        mass = inverse_sum * sums  # this shard's share of p and q
-        # h = -q for KL(q || p); h = p (log p - log q) + p for KL(p || q)
-        h_sum = -mass[:, 1] if self.teacher_weighted else f_sum + mass[:, 0]
+        f_sum, h_sum = kernels.centered_kl_sums(weighted, sums, log_shift, inverse_sum,
+                                                self.teacher_weighted)
         return f_sum, h_sum, (ea, eb, log_shift, inverse_sum,
                               None if self.teacher_weighted else diff)
 
