@@ -5,7 +5,8 @@ dtype) and returns per-row statistics or the chunk's gradient: the widening, log
 exponentials and sums run as one fused loop per result under ``torch.compile`` (inductor: C++
 on CPU, Triton on CUDA), so no float32 copy of the chunk is made. They compute what the eager
 kernels of :mod:`topkd.kernels` compute, in the same order of operations per element (sums may
-be reassociated: equal to float32 rounding); nothing in them depends on the device.
+be reassociated: equal to float32 rounding; on a CPU one exponential is an ``exp2``, see
+:func:`_shared_exp`).
 
 Compiled once per process per variant (dtype, divergence, options) with dynamic shapes, so a
 run whose row count or vocabulary changes does not recompile; inductor's on-disk cache makes
@@ -267,9 +268,9 @@ _BF16_INF, _BF16_NEG_INF = 0x7F80, -0x80
 
 def kept_bound(columns: torch.Tensor, width: int) -> torch.Tensor:
     """Bfloat16 ``[r, width + 1]``: -inf at ``columns``, +inf elsewhere; written as int16
-    (a bf16 fill of +inf runs 8x slower). Read as bf16 and widened in a kernel, it costs
-    what a chunk's own bf16 columns do: an int8 mask's widening to float32 took 2.5x the
-    time of the whole statistics pass over the chunk on an AVX2 CPU."""
+    (a bf16 fill of +inf runs 5-8x slower). Read as bf16 and widened in a kernel, it costs
+    what a chunk's own bf16 columns do; with an int8 mask widened to float32 the statistics
+    pass took 2.5x the time on an AVX2 CPU."""
     bound = torch.empty(columns.shape[0], width + 1, dtype=torch.int16, device=columns.device)
     bound.fill_(_BF16_INF).scatter_(1, columns, _BF16_NEG_INF)
     return bound.view(torch.bfloat16)
