@@ -559,6 +559,42 @@ def test_candidate_positions_and_words_are_sized_apart():
     assert graphs[1] == graphs[0], f"unique graphs after each call: {graphs}"
 
 
+def test_kernels_leave_torch_settings_as_found():
+    """A kernel call raises dynamo's recompile limits (and, in a kernel whose sizes are apart,
+    turns duck sizing off) only while it runs: nested, when the call raises, and after real
+    kernel calls, one of them failing inside the compiled function, every value is back as
+    found."""
+    from torch.fx.experimental import _config as fx
+
+    from topkd.backends import compiled
+
+    dynamo = torch._dynamo.config
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+
+    def current():
+        return getattr(dynamo, name), getattr(dynamo, f"accumulated_{name}"), fx.use_duck_shape
+
+    before, limits = current(), (compiled._RECOMPILE_LIMIT, 4 * compiled._RECOMPILE_LIMIT)
+    assert before[:2] != limits
+    seen = []
+    with compiled._settings(True):
+        seen.append(current())
+        with compiled._settings(False):
+            seen.append(current())
+        seen.append(current())
+    assert seen == [(*limits, before[2]), (*limits, False), (*limits, before[2])]
+    assert current() == before
+    with pytest.raises(RuntimeError, match="inside"), compiled._settings(False):
+        raise RuntimeError("inside")
+    assert current() == before
+    low = torch.randn(4, 3001).to(BF16)
+    compiled._Sampled(1.0, 1.0, None).scan(low, torch.full((4,), 1.0), 2000)
+    assert current() == before
+    with pytest.raises(Exception):  # noqa: B017 - whatever dynamo raises for a bad shape
+        compiled.threshold_scan(low, torch.zeros(3), 1.0, 1.0, None)
+    assert current() == before
+
+
 @pytest.mark.parametrize("loss", ["topk_kl_loss", "kl_loss"])
 def test_no_recompiles_at_default_chunks(loss):
     """A user's variable sequence lengths at the default chunk size: one chunk that is the

@@ -15,7 +15,6 @@ later processes start fast.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -108,7 +107,7 @@ def _compiled(fn=None, *, rows: bool = True, duck: bool = True):
         given = args
         if single:
             args = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
-        with torch._dynamo.config.patch(_recompile_limits()), _duck_sizing(duck):
+        with _settings(duck):
             out = state["fn"](*args)
         if not single:
             return out
@@ -129,24 +128,41 @@ def _plain(a: torch.Tensor) -> torch.Tensor:
     return a.contiguous() if a.dim() and a.shape[0] > 1 and a.stride(0) == 0 else a
 
 
-def _recompile_limits() -> dict:
-    """Dynamo's recompile limits for one kernel, under this torch's names for them (older
-    torch names them ``cache_size_limit``)."""
-    old = not hasattr(torch._dynamo.config, "recompile_limit")
-    name = "cache_size_limit" if old else "recompile_limit"
-    return {name: _RECOMPILE_LIMIT, f"accumulated_{name}": 4 * _RECOMPILE_LIMIT}
+class _Settings:
+    """Config values set for the duration of a kernel call, re-entrantly: ``(module, name,
+    value)`` (a torch config module, e.g. ``torch._dynamo.config``), assigned and restored
+    directly. (A ``config.patch`` added about 70 us to each call, more than a small kernel's
+    own call takes; this adds about 20.)"""
+
+    def __init__(self, *settings):
+        self.settings, self.saved = settings, []
+
+    def __enter__(self):
+        self.saved.append([getattr(module, name) for module, name, _ in self.settings])
+        for module, name, value in self.settings:
+            setattr(module, name, value)
+
+    def __exit__(self, *exc):
+        for (module, name, _), old in zip(self.settings, self.saved.pop(), strict=True):
+            setattr(module, name, old)
 
 
-def _duck_sizing(on: bool):
-    """A context in which dynamo takes equal sizes to be one (its default) or not (where this
-    torch has the setting)."""
+@functools.cache
+def _settings(duck: bool) -> _Settings:
+    """What a kernel runs under: a recompile limit of its own (under this torch's names; older
+    torch names them ``cache_size_limit``) and, with ``duck`` False, no duck sizing (where
+    this torch has the setting)."""
+    dynamo = torch._dynamo.config
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    settings = [(dynamo, name, _RECOMPILE_LIMIT),
+                (dynamo, f"accumulated_{name}", 4 * _RECOMPILE_LIMIT)]
     try:
         from torch.fx.experimental import _config
     except ImportError:
         _config = None
-    if on or not hasattr(_config, "use_duck_shape"):
-        return contextlib.nullcontext()
-    return _config.patch(use_duck_shape=False)
+    if not duck and hasattr(_config, "use_duck_shape"):
+        settings.append((_config, "use_duck_shape", False))
+    return _Settings(*settings)
 
 
 _seen: set = set()
@@ -501,18 +517,20 @@ def threshold_scan(low, threshold, temperature, logit_scale, softcap):
 
 
 @_compiled(rows=False, duck=False)
-def candidate_keys(low, words, at, start, capacity, temperature, logit_scale, softcap):
+def candidate_keys(low, words, at, row, start, capacity, temperature, logit_scale, softcap):
     """:func:`topkd.topk.candidate_keys` of a chunk's ``logits / T`` at the flat positions
     of :func:`topkd.topk.nonzero_words`' ``(words, at)`` (``[n]``, ascending; ``at`` -1:
-    none) in :func:`topkd.topk.compact`'s layout: int64 ``[r, capacity + 1]``, the entry of
-    rank ``j`` in row ``i`` (its position less ``start[i]``, the row's first, of ``start``
-    ``[r + 1]``) at ``[i, j]``, ranks past ``capacity`` left out, padded with ``PAD_KEY``.
-    Located, placed, gathered, transformed and keyed in one pass over the candidates (not over
-    the slots)."""
+    none), of the rows ``row`` (``[n]``; at least ``r``: none), in
+    :func:`topkd.topk.compact`'s layout: int64 ``[r, capacity + 1]``, the entry of rank ``j``
+    in row ``i`` (its position less ``start[i]``, the row's first, of ``start`` ``[r + 1]``)
+    at ``[i, j]``, ranks past ``capacity`` left out, padded with ``PAD_KEY``. Located,
+    placed, gathered, transformed and keyed in one pass over the candidates (not over the
+    slots). (Each candidate's row comes in, from the rows' counts: a CPU divides int64s one
+    at a time, and a division per candidate took 60% of this kernel.)"""
     rows, width = low.shape
     real = at >= 0
     flat = (words[torch.where(real, at >> 3, 0)] << 3) | (at & 7)
-    row = torch.where(real, flat // width, rows)
+    row = torch.where(real, row, rows)
     rank = torch.arange(at.shape[0], device=at.device) - start[row]
     kept = (row < rows) & (rank <= capacity)
     column = torch.where(kept, flat - row * width, 0)
@@ -547,12 +565,14 @@ class _Sampled:
     def scan(self, low, threshold, capacity):
         above, below, count = threshold_scan(low, threshold, *self.options)
         if topk.no_host_sync(low.device):
-            flat, _, count = positions(above.view(torch.bool), capacity, sync_free=True)
+            flat, row, count = positions(above.view(torch.bool), capacity, sync_free=True)
             words, at = topk.word_parts(flat)
         else:  # the positions as words and bytes, put together by the kernel below
             words, at = topk.nonzero_words(above.view(torch.bool).view(-1))
             count = (count.long() if low.shape[1] < _FLOAT_COUNT_COLUMNS
                      else above.view(torch.bool).sum(-1))
+            row = torch.repeat_interleave(torch.arange(low.shape[0], device=low.device),
+                                          count, output_size=at.shape[0])
         start = row_starts(count)
         # (dynamo specializes sizes 0 and 1, so a kernel sees at least 2 rows and 2 entries:
         # a one-row chunk doubled, its second row empty; entries -1, left out)
@@ -561,9 +581,10 @@ class _Sampled:
             low, start = torch.cat([low, low]), torch.cat([start, start[-1:]])
         if at.shape[0] < 2:
             at = torch.cat([at, at.new_full((2 - at.shape[0],), -1)])
+            row = torch.cat([row, row.new_zeros(2 - row.shape[0])])
         if words.shape[0] < 2:
             words = torch.cat([words, words.new_zeros(2 - words.shape[0])])
-        keys = candidate_keys(low, words, at, start, capacity, *self.options)
+        keys = candidate_keys(low, words, at, row, start, capacity, *self.options)
         return keys[:1] if one else keys, count, lambda: below
 
     @staticmethod
