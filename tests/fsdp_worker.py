@@ -440,6 +440,10 @@ def run_errors(mesh, rank, world, failures):
     ranks = list(range(world))
     other_mesh = DeviceMesh("cpu", ranks[::-1])
     other = distribute_tensor(torch.randn(V, H_T), other_mesh, [Shard(0)])
+    picked = topkd.select_topk(t_logits, 4)
+    indices = picked.indices.clone()
+    indices[2, 3] = indices[2, 0]
+    twice = topkd.SparseTeacher(indices, picked.logprobs, picked.rest_logprob, 1.0, V)
     cases = [
         ("weight Shard(1)", lambda: topkd.fused_kl_loss(hidden, col, t_logits),
          ["weight", "Shard(dim=1)"]),
@@ -469,6 +473,8 @@ def run_errors(mesh, rank, world, failures):
          lambda: topkd.fused_kl_loss(hidden, row, torch.randn(3, V)), ["leading shape"]),
         ("k above the vocabulary",
          lambda: topkd.fused_topk_kl_loss(hidden, row, t_logits, V + 1), ["k"]),
+        ("a SparseTeacher's index twice in a row",
+         lambda: topkd.fused_topk_kl_loss(hidden, row, twice), ["SparseTeacher.indices", "once"]),
         ("unknown design",
          lambda: topkd.fused_kl_loss(hidden, row, t_logits, sharded_head="all"),
          ["sharded_head"]),

@@ -101,6 +101,102 @@ def teacher_mask(value, teacher, lead_shape: tuple[int, ...]):
     return teacher.mask if value is None else value & teacher.mask
 
 
+def sparse_teacher(teacher, keep=None) -> None:
+    """A :class:`~topkd.SparseTeacher`'s tensors: their dtypes and shapes, then, on the rows a
+    loss keeps (``keep``: bool with the leading shape, or None for all), their values (one
+    host sync): indices in ``[-1, vocab_size)``, none twice in a row, and ``-inf`` log-probs
+    at the unused slots (-1). Out of range, an index would be dropped or give inf; twice, its
+    mass would count twice: a wrong number. A teacher checked before (or made by
+    :func:`topkd.select_topk`) and unchanged since (its tensors' in-place versions) is not
+    read again."""
+    indices, logprobs, rest = teacher.indices, teacher.logprobs, teacher.rest_logprob
+    if (not isinstance(indices, torch.Tensor) or indices.dtype == torch.bool
+            or indices.dtype.is_floating_point or indices.dtype.is_complex):
+        raise TypeError(f"SparseTeacher.indices must be an integer tensor, got "
+                        f"{getattr(indices, 'dtype', type(indices).__name__)}")
+    for name, t in (("logprobs", logprobs), ("rest_logprob", rest)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise TypeError(f"SparseTeacher.{name} must be a floating-point tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    if indices.dim() < 1 or logprobs.shape != indices.shape:
+        raise ValueError(f"SparseTeacher.logprobs must have indices' shape [..., K] "
+                         f"{tuple(indices.shape)}, got {tuple(logprobs.shape)}")
+    if rest.shape != indices.shape[:-1]:
+        raise ValueError(f"SparseTeacher.rest_logprob must have indices' leading shape "
+                         f"{tuple(indices.shape[:-1])}, got {tuple(rest.shape)}")
+    vocab = integer("SparseTeacher.vocab_size", teacher.vocab_size, 1)
+    if indices.numel() == 0 or _checked(teacher, keep):
+        return
+    k = indices.shape[-1]
+    idx, logq = indices.reshape(-1, k).long(), logprobs.reshape(-1, k)
+    outside = (idx < -1) | (idx >= vocab)
+    unused_mass = (idx == -1) & (logq > float("-inf"))
+    ids = torch.where(idx >= 0, idx, -1).sort(-1).values
+    twice = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+    bad = outside.any(-1) | unused_mass.any(-1) | twice.any(-1)
+    if keep is not None:
+        bad &= keep.reshape(-1).to(bad.device)
+    if not bool(bad.any()):
+        mark_checked(teacher, keep)
+        return
+    row = int(bad.nonzero()[0, 0])
+    at = _position(row, indices.shape[:-1])
+    if outside[row].any():
+        seen = int(idx[row][outside[row]][0])
+        raise ValueError(f"SparseTeacher.indices must lie in [-1, vocab_size={vocab}) (-1: an "
+                         f"unused slot); row {at} holds {seen}")
+    if twice[row].any():
+        seen = int(ids[row, 1:][twice[row]][0])
+        raise ValueError(f"SparseTeacher.indices must hold each vocabulary index at most once "
+                         f"per row; row {at} holds {seen} more than once")
+    slot = int(unused_mass[row].nonzero()[0, 0])
+    raise ValueError(f"SparseTeacher.logprobs must be -inf at the unused slots (index -1); "
+                     f"row {at} has {float(logq[row, slot])} at slot {slot}")
+
+
+def _position(row: int, lead: torch.Size) -> tuple[int, ...]:
+    """The flat ``row``'s position in the leading shape ``lead``."""
+    at = []
+    for size in reversed(lead):
+        row, i = divmod(row, size)
+        at.append(i)
+    return tuple(reversed(at))
+
+
+def _versions(teacher, keep):
+    """What :func:`sparse_teacher` read: the tensors themselves and their in-place versions
+    (None where a tensor has no version counter: an inference-mode tensor)."""
+    try:
+        return ((teacher.indices, teacher.indices._version),
+                (teacher.logprobs, teacher.logprobs._version), teacher.vocab_size,
+                None if keep is None else (keep, keep._version))
+    except RuntimeError:
+        return None
+
+
+def mark_checked(teacher, keep=None) -> None:
+    """Record that ``teacher`` holds valid values on the rows ``keep`` keeps (None: all rows),
+    so that :func:`sparse_teacher` need not read them again while they are unchanged."""
+    teacher.__dict__["_checked"] = _versions(teacher, keep)
+
+
+def _same(a, b) -> bool:
+    """Two ``(tensor, version)`` of :func:`_versions`: one tensor, unchanged between them."""
+    return a[0] is b[0] and a[1] == b[1]
+
+
+def _checked(teacher, keep) -> bool:
+    """Whether :func:`mark_checked` recorded ``teacher`` as it is now, on every row or on the
+    rows ``keep`` keeps."""
+    seen, now = teacher.__dict__.get("_checked"), _versions(teacher, keep)
+    if seen is None or now is None:
+        return False
+    (indices, logprobs, vocab, kept), (indices_now, logprobs_now, vocab_now, keep_now) = seen, now
+    if not (_same(indices, indices_now) and _same(logprobs, logprobs_now) and vocab == vocab_now):
+        return False
+    return kept is None or (keep_now is not None and _same(kept, keep_now))
+
+
 def teacher_temperature(value, teacher) -> None:
     """A temperature given next to a :class:`SparseTeacher` must be the one it was made at."""
     if value is not None and temperature(value) != teacher.temperature:

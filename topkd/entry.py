@@ -202,6 +202,7 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
         raise ValueError("top_p applies when selecting; this SparseTeacher is already "
                          "selected (pass top_p to select_topk)")
     _checks.same_leading(names["student"], lead, "teacher", teacher.indices.shape[:-1])
+    _checks.sparse_teacher(teacher, _checks.teacher_mask(mask, teacher, lead))
     return _rows_teacher(student_tensors, teacher, sparse_tensors(teacher, lead.numel()), options,
                          names, lead, x, mask, labels, shards, one_pass, owner)
 
@@ -282,9 +283,11 @@ def check_inputs(student: tuple, teacher, options: KDOptions, mask, labels) -> N
     names = {"student": "hidden", "teacher": "teacher logits"}
     if isinstance(teacher, (SparseTeacher, SampledTeacher)):
         _checks.same_leading("hidden", lead, "teacher", teacher.indices.shape[:-1])
-        _checks.teacher_mask(mask, teacher, lead)
+        keep = _checks.teacher_mask(mask, teacher, lead)
         if isinstance(teacher, SampledTeacher):
             _checks.sampled_teacher(teacher)
+        else:
+            _checks.sparse_teacher(teacher, keep)
     else:
         _teacher_input(teacher, lead, True, names)
     flat = _checks.labels(labels, lead, hidden.device)

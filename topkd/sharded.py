@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import parallel
+from . import _checks, parallel
 from .teacher import SampledTeacher, SparseTeacher
 
 DESIGNS = ("vocab_parallel", "gather")
@@ -273,8 +273,11 @@ def _vocab_parallel(run, mesh, divide, hidden, weight, bias, teacher, options, m
     all_weights = parallel.gather_rows(weights, group, rows)
     owner = RowOwner(group=group, start=mesh.rank * rows, count=n, rows=rows, lead_shape=lead,
                      keep=keep, weights=all_weights)
-    return run(head, _teacher_rows(teacher, mesh, group, rows, n),
-               options.replace(process_group=group), mask=all_keep, labels=all_labels, owner=owner)
+    teacher = _teacher_rows(teacher, mesh, group, rows, n)
+    if isinstance(teacher, SparseTeacher):  # each rank checked its rows (check_inputs)
+        _checks.mark_checked(teacher, all_keep)
+    return run(head, teacher, options.replace(process_group=group), mask=all_keep,
+               labels=all_labels, owner=owner)
 
 
 def _teacher_width(teacher) -> int:

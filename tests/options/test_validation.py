@@ -84,6 +84,104 @@ def test_sparse_teacher_leading_shape_mismatch():
         topkd.sparse_kl_loss(torch.randn(4, 3, V), st)
 
 
+def _teacher(rows=3, k=4, **change):
+    """A valid SparseTeacher of ``rows`` x ``V`` (from select_topk's tensors, copied so the
+    teacher is a user's, not one select_topk marked checked), with fields replaced."""
+    st = topkd.select_topk(torch.randn(rows, V), k)
+    fields = dict(indices=st.indices.clone(), logprobs=st.logprobs.clone(),
+                  rest_logprob=st.rest_logprob.clone(), temperature=1.0, vocab_size=V)
+    fields.update(change)
+    return topkd.SparseTeacher(**fields)
+
+
+def _set(t, row, slot, value):
+    t = t.clone()
+    t[row, slot] = value
+    return t
+
+
+def _bad_teachers():
+    ok = _teacher()
+    i, q = ok.indices, ok.logprobs
+    yield "float indices", _teacher(indices=i.float()), TypeError, "indices must be an integer"
+    yield "bool indices", _teacher(indices=i > 0), TypeError, "indices must be an integer"
+    yield "int logprobs", _teacher(logprobs=q.long()), TypeError, "logprobs must be a floating"
+    yield "int rest", _teacher(rest_logprob=ok.rest_logprob.long()), TypeError, "rest_logprob"
+    yield "short logprobs", _teacher(logprobs=q[:, :3]), ValueError, r"\(3, 4\), got \(3, 3\)"
+    yield "rest [n, 1]", _teacher(rest_logprob=ok.rest_logprob[:, None]), ValueError, \
+        r"leading shape \(3,\), got \(3, 1\)"
+    yield "index past vocab", _teacher(indices=_set(i, 1, 2, V + 3)), ValueError, \
+        rf"\[-1, vocab_size={V}\).*row \(1,\) holds {V + 3}"
+    yield "index -5", _teacher(indices=_set(i, 2, 0, -5)), ValueError, r"row \(2,\) holds -5"
+    yield "index twice", _teacher(indices=_set(i, 0, 3, int(i[0, 1]))), ValueError, \
+        rf"at most once per row; row \(0,\) holds {int(i[0, 1])} more than once"
+    yield "unused slot with mass", _teacher(indices=_set(i, 1, 3, -1)), ValueError, \
+        r"-inf at the unused slots.*row \(1,\) has -?\d.* at slot 3"
+
+
+@pytest.mark.parametrize("name,teacher,error,match", list(_bad_teachers()),
+                         ids=[case[0] for case in _bad_teachers()])
+def test_bad_sparse_teacher(name, teacher, error, match):
+    # (before these checks: a wrong number for an index twice, inf for one out of range or
+    # an unused slot with mass, a bare RuntimeError for the shapes and a float index)
+    s = torch.randn(3, V, requires_grad=True)
+    with pytest.raises(error, match=match):
+        topkd.sparse_kl_loss(s, teacher)
+    hidden, weight = torch.randn(3, 16, requires_grad=True), torch.randn(V, 16)
+    with pytest.raises(error, match=match):
+        topkd.fused_topk_kl_loss(hidden, weight, teacher)
+    from topkd.entry import check_inputs  # the sharded head's checks, before its collectives
+    with pytest.raises(error, match=match):
+        check_inputs((hidden, weight), teacher, topkd.KDOptions(), None, None)
+    assert s.grad is None and hidden.grad is None
+
+
+def test_sparse_teacher_values_checked_on_kept_rows_only():
+    ok = _teacher()
+    junk = _set(_set(ok.indices, 1, 0, V + 7), 1, 1, 5)
+    junk[1, 2] = 5  # row 1: out of range and 5 twice
+    fields = dict(logprobs=ok.logprobs, rest_logprob=ok.rest_logprob)
+    s = torch.randn(3, V)
+    mask = torch.tensor([True, False, True])
+    ref = topkd.sparse_kl_loss(s, ok, mask=mask)
+    assert ref[1] == 0 and torch.isfinite(ref).all()
+    got = topkd.sparse_kl_loss(s, _teacher(indices=junk, **fields), mask=mask)  # loss's mask
+    assert torch.equal(got, ref)
+    dropped = _teacher(indices=junk, mask=mask, **fields)  # the teacher's own padding mask
+    assert torch.equal(topkd.sparse_kl_loss(s, dropped), ref)
+    with pytest.raises(ValueError, match=r"row \(1,\)"):
+        topkd.sparse_kl_loss(s, _teacher(indices=junk, **fields))
+
+
+def test_sparse_teacher_checked_once_while_unchanged():
+    from topkd import _checks
+
+    st = topkd.select_topk(torch.randn(2, 3, V), 4)
+    assert _checks._checked(st, None)  # valid by construction
+    s = torch.randn(2, 3, V)
+    topkd.sparse_kl_loss(s, st)
+    st.indices[1, 2, 3] = st.indices[1, 2, 0]  # changed in place: read again
+    assert not _checks._checked(st, None)
+    with pytest.raises(ValueError, match=r"row \(1, 2\) holds"):
+        topkd.sparse_kl_loss(s, st)
+    mine = _teacher()
+    assert not _checks._checked(mine, None)
+    topkd.sparse_kl_loss(torch.randn(3, V), mine)
+    assert _checks._checked(mine, None)
+    mine.logprobs[0, 3] = float("-inf")  # any in-place change
+    assert not _checks._checked(mine, None)
+    with torch.inference_mode():  # no version counters: read on every call, still checked
+        frozen = topkd.select_topk(torch.randn(3, V), 4)
+    assert not _checks._checked(frozen, None)
+    _checks.sparse_teacher(frozen)
+    bad = topkd.SparseTeacher(frozen.indices.clone(), frozen.logprobs, frozen.rest_logprob,
+                              1.0, V)
+    with torch.inference_mode():
+        bad.indices[0, 0] = V
+    with pytest.raises(ValueError, match=f"holds {V}"):
+        _checks.sparse_teacher(bad)
+
+
 # ---------------------------------------------------------------- k, top_p, top_p_min_k
 
 
