@@ -12,7 +12,9 @@ spawned gloo ranks (see parallel/test_fsdp.py).
   FSDP's gradient sync off, the Module form.
 - Loss level: float32 against the float64 reference (loss, hidden and weight gradients); bf16
   hidden states with a float32 head against one process.
-- Bad input: a ValueError naming the argument before any collective.
+- Bad input: a ValueError naming the argument before any collective; values bad on some
+  ranks only (labels, a SparseTeacher's rows): a ValueError on every rank after one exchanged
+  flag, the bad ranks' naming the argument, the others' the bad ranks.
 """
 
 from __future__ import annotations
@@ -404,10 +406,15 @@ def run_mixed(mesh, rank, world, failures):
 
 
 class _NoCollectives:
-    """Fails any collective called while active (the checks must come first)."""
+    """Fails any collective called while active (the checks must come first), but the first
+    ``flags`` all-gathers: the flag of :func:`topkd.parallel.raise_together`, which a check of
+    each rank's own rows (its labels, its teacher rows) makes before it raises."""
 
     NAMES = ("all_gather", "all_reduce", "reduce_scatter_tensor", "all_to_all_single",
              "all_gather_into_tensor", "broadcast")
+
+    def __init__(self, flags: int = 0):
+        self.flags = flags
 
     def __enter__(self):
         self.saved = {n: getattr(dist, n) for n in self.NAMES}
@@ -415,9 +422,11 @@ class _NoCollectives:
             setattr(dist, n, self._fail(n))
         return self
 
-    @staticmethod
-    def _fail(name):
+    def _fail(self, name):
         def fail(*args, **kwargs):
+            if name == "all_gather" and self.flags > 0:
+                self.flags -= 1
+                return self.saved[name](*args, **kwargs)
             raise AssertionError(f"{name} called before the arguments were checked")
         return fail
 
@@ -440,10 +449,6 @@ def run_errors(mesh, rank, world, failures):
     ranks = list(range(world))
     other_mesh = DeviceMesh("cpu", ranks[::-1])
     other = distribute_tensor(torch.randn(V, H_T), other_mesh, [Shard(0)])
-    picked = topkd.select_topk(t_logits, 4)
-    indices = picked.indices.clone()
-    indices[2, 3] = indices[2, 0]
-    twice = topkd.SparseTeacher(indices, picked.logprobs, picked.rest_logprob, 1.0, V)
     cases = [
         ("weight Shard(1)", lambda: topkd.fused_kl_loss(hidden, col, t_logits),
          ["weight", "Shard(dim=1)"]),
@@ -466,15 +471,10 @@ def run_errors(mesh, rank, world, failures):
         ("process_group with a DTensor head",
          lambda: topkd.fused_kl_loss(hidden, row, t_logits, process_group=dist.group.WORLD),
          ["process_group"]),
-        ("labels outside the vocabulary",
-         lambda: topkd.fused_kl_loss(hidden, row, t_logits, labels=torch.full((4,), V)),
-         ["labels", str(V)]),
         ("teacher rows differ from hidden's",
          lambda: topkd.fused_kl_loss(hidden, row, torch.randn(3, V)), ["leading shape"]),
         ("k above the vocabulary",
          lambda: topkd.fused_topk_kl_loss(hidden, row, t_logits, V + 1), ["k"]),
-        ("a SparseTeacher's index twice in a row",
-         lambda: topkd.fused_topk_kl_loss(hidden, row, twice), ["SparseTeacher.indices", "once"]),
         ("unknown design",
          lambda: topkd.fused_kl_loss(hidden, row, t_logits, sharded_head="all"),
          ["sharded_head"]),
@@ -486,9 +486,11 @@ def run_errors(mesh, rank, world, failures):
         two_d = distribute_tensor(w, mesh2, [Shard(0), Shard(0)])
         cases.append(("2-D mesh", lambda: topkd.fused_kl_loss(hidden, two_d, t_logits),
                       ["weight", "2-D mesh"]))
+    # (checks of each rank's own rows: raised on every rank after one exchanged flag)
+    own_rows = {"teacher rows differ from hidden's", "k above the vocabulary"}
     for name, call, words in cases:
         try:
-            with _NoCollectives():
+            with _NoCollectives(flags=int(name in own_rows)):
                 call()
             failures.append(f"[errors] {name}: no error")
         except ValueError as e:
@@ -497,6 +499,47 @@ def run_errors(mesh, rank, world, failures):
                 failures.append(f"[errors] {name}: the message lacks {missing}: {e}")
         except Exception:  # noqa: BLE001
             failures.append(f"[errors] {name}: not a ValueError\n{traceback.format_exc()}")
+
+
+def run_refused(mesh, rank, world, failures):
+    """Inputs whose values are bad on some ranks only (each rank's own rows): every rank
+    raises, after one flag is exchanged, instead of the others waiting in the loss's
+    collectives; a bad rank names its own input, the others name the bad ranks."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(0)  # the same head on every rank
+    row = distribute_tensor(torch.randn(V, H, generator=g), mesh, [Shard(0)])
+    hidden, t_logits = torch.randn(4, H, generator=g), torch.randn(4, V, generator=g)
+    picked = topkd.select_topk(t_logits, 4)
+    indices = picked.indices.clone()
+    indices[2, 3] = indices[2, 0]
+    twice = topkd.SparseTeacher(indices, picked.logprobs, picked.rest_logprob, 1.0, V)
+    bad = {
+        "labels outside the vocabulary": (
+            lambda: topkd.fused_kl_loss(hidden, row, t_logits, labels=torch.full((4,), V)),
+            ["labels", str(V)]),
+        "a SparseTeacher's index twice in a row": (
+            lambda: topkd.fused_topk_kl_loss(hidden, row, twice),
+            ["SparseTeacher.indices", "once"]),
+    }
+    good = {"labels outside the vocabulary": lambda: topkd.fused_kl_loss(hidden, row, t_logits),
+            "a SparseTeacher's index twice in a row":
+                lambda: topkd.fused_topk_kl_loss(hidden, row, picked)}
+    for name, (call, words) in bad.items():
+        for bad_ranks in (list(range(world)), [world - 1]):
+            tag = f"[refused] {name}, bad on ranks {bad_ranks}"
+            mine = rank in bad_ranks
+            try:
+                with _NoCollectives(flags=1):  # the flag only: no rank enters the loss
+                    (call if mine else good[name])()
+                failures.append(f"{tag}: no error")
+            except ValueError as e:
+                want = words if mine else ["rank(s)", str(bad_ranks), "found their inputs bad"]
+                missing = [word for word in want if word not in str(e)]
+                if missing:
+                    failures.append(f"{tag}: the message lacks {missing}: {e}")
+            except Exception:  # noqa: BLE001
+                failures.append(f"{tag}: not a ValueError\n{traceback.format_exc()}")
 
 
 def run_upstream(mesh, rank, world, failures):
@@ -523,6 +566,7 @@ def worker(rank, world, plan, result_dir):
         mesh = init_device_mesh("cpu", (world,))
         if "errors" in plan:
             run_errors(mesh, rank, world, failures)
+            run_refused(mesh, rank, world, failures)
             run_upstream(mesh, rank, world, failures)
         if "reference" in plan:
             run_reference(mesh, rank, world, failures)

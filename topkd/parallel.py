@@ -202,6 +202,20 @@ def exchange_counts(group, values: list[int], device) -> list[list[int]]:
     return [t.tolist() for t in everyone]
 
 
+def raise_together(error: Exception | None, group, device) -> None:
+    """Raise on every rank of ``group`` if any rank found its inputs bad (``error``, this
+    rank's, or None): one all-gather of a flag, so that no rank waits in a collective that a
+    refusing rank never joins. A refusing rank raises its own ``error``; the others a
+    ``ValueError`` naming those ranks."""
+    flags = exchange_counts(group, [error is not None], device)
+    if error is not None:
+        raise error
+    refused = [rank for rank, (flag,) in enumerate(flags) if flag]
+    if refused:
+        raise ValueError(f"rank(s) {refused} of the group found their inputs bad (their own "
+                         f"error says why); no rank ran the loss")
+
+
 def _reduce_scatter(output, tensor, group) -> None:
     """SUM reduce-scatter of ``tensor`` (``world`` equal parts along dim 0) into ``output``
     (``reduce_scatter_single`` where torch has it: newer torch deprecates the other name)."""

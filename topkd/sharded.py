@@ -216,9 +216,15 @@ def sharded_loss(run, student, teacher, options, mask, labels):
     """The loss of a call with a DTensor head; ``run`` is :func:`topkd.distill_loss`."""
     from .entry import check_inputs  # entry imports this module
 
-    check(student, teacher, options)
-    check_inputs(student, teacher, options, mask, labels)
+    check(student, teacher, options)  # local metadata, alike on every rank: raised at once
+    try:  # each rank's own rows (labels, a teacher's entries) may be bad on that rank alone
+        check_inputs(student, teacher, options, mask, labels)
+        refused = None
+    except Exception as e:  # noqa: BLE001 - whatever it is, every rank raises together
+        refused = e
     hidden, weight, bias = (*student, None)[:3]
+    head = weight if is_dtensor(weight) else teacher[1]  # (check: one of them is a DTensor)
+    parallel.raise_together(refused, head.device_mesh.get_group(), head.to_local().device)
     if not is_dtensor(weight):  # a plain student with a sharded teacher head: gather that
         return run(student, _whole_teacher(teacher), options, mask=mask, labels=labels)
     mesh = Mesh(weight)
