@@ -131,8 +131,7 @@ def sparse_teacher(teacher, keep=None) -> None:
     idx, logq = indices.reshape(-1, k).long(), logprobs.reshape(-1, k)
     outside = (idx < -1) | (idx >= vocab)
     unused_mass = (idx == -1) & (logq > float("-inf"))
-    ids = torch.where(idx >= 0, idx, -1).sort(-1).values
-    twice = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+    ids, twice = repeated(idx, idx >= 0)
     bad = outside.any(-1) | unused_mass.any(-1) | twice.any(-1)
     if keep is not None:
         bad &= keep.reshape(-1).to(bad.device)
@@ -295,6 +294,14 @@ def aligned(shards, vocab: int) -> int:
     return valid
 
 
+def repeated(indices: torch.Tensor, used: torch.Tensor):
+    """``(ids, twice)`` of ``indices`` ``[..., K]``: each row sorted with its unused slots
+    (``used`` False) as -1 (first), and, for each entry past the first, whether it repeats
+    the used one before it."""
+    ids = torch.where(used, indices.long(), -1).sort(-1).values
+    return ids, (ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)
+
+
 def sampled_teacher(teacher) -> None:
     """A :class:`~topkd.SampledTeacher`'s tensors: shapes, dtypes, and on every row that is not
     padding, distinct ids with counts summing to ``samples`` (or to 0: a row of no draws, which
@@ -314,10 +321,9 @@ def sampled_teacher(teacher) -> None:
     if indices.numel() == 0:
         return
     used = counts > 0
-    ids = torch.where(used, indices.long(), -1).sort(-1).values
-    repeated = ((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any(-1)
+    twice = repeated(indices, used)[1].any(-1)
     total = counts.long().sum(-1)  # (0: a padding row of no draws, which counts nothing)
-    bad = (repeated | ((total != teacher.samples) & (total != 0)) | (counts < 0).any(-1)
+    bad = (twice | ((total != teacher.samples) & (total != 0)) | (counts < 0).any(-1)
            | (used & ((indices < 0) | (indices >= teacher.vocab_size))).any(-1))
     if teacher.mask is not None:
         bad = bad & teacher.mask

@@ -872,6 +872,11 @@ def test_writer_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match=f"vocab_size={V}"):
         writer.add("a", tokens, topkd.SparseTeacher(too_big, teacher.logprobs,
                                                     teacher.rest_logprob, 1.0, V))
+    twice = teacher.indices.clone()
+    twice[2, 3] = twice[2, 1]  # (every codec stored it before; a loss now refuses it)
+    with pytest.raises(ValueError, match=rf"at most once per row; row 2 holds {int(twice[2, 1])}"):
+        writer.add("a", tokens, topkd.SparseTeacher(twice, teacher.logprobs,
+                                                    teacher.rest_logprob, 1.0, V))
     hole = teacher.indices.clone()
     hole[0, 3] = -1  # an unused slot before used ones
     with pytest.raises(ValueError, match=r"unused slots \(-1\)"):

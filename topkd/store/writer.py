@@ -323,6 +323,12 @@ class TeacherStoreWriter:
         if bool((indices >= s["vocab_size"]).any()):
             raise ValueError(f"sample {sample_id!r}: teacher indices must be < vocab_size="
                              f"{s['vocab_size']}, got {int(indices.max())}")
+        ids, twice = _checks.repeated(indices, used)
+        if bool(twice.any()):
+            row = int(twice.any(-1).nonzero()[0, 0])
+            raise ValueError(f"sample {sample_id!r}: teacher indices must hold each vocabulary "
+                             f"index at most once per row; row {row} holds "
+                             f"{int(ids[row, 1:][twice[row]][0])} more than once")
         if bool(torch.isnan(rest).any() | (rest > 0).any()):
             raise ValueError(f"sample {sample_id!r}: teacher.rest_logprob must be a log-mass "
                              f"(<= 0, not NaN), got {rest[torch.isnan(rest) | (rest > 0)][:3]}")
