@@ -284,6 +284,23 @@ def test_damaged_rows_refused_by_reads_and_verify(tmp_path, codec, tensor):
     assert len(problems) == 1 and file in problems[0] and tensor in problems[0], problems
 
 
+@pytest.mark.parametrize("codec", ["exact", "compact"])
+def test_verify_finds_an_index_twice_anywhere_in_a_row(tmp_path, codec, monkeypatch):
+    """A row holding one index twice, not next to each other (written here past the writer's
+    own refusal, as a store from before it could hold one): verify names its sequence (it
+    compared neighbours only, which missed it)."""
+    tokens, teacher = _teacher(4, 5000, 16, seed=1)
+    indices = teacher.indices.clone()
+    indices[2, 9] = indices[2, 3]
+    twice = topkd.SparseTeacher(indices, teacher.logprobs, teacher.rest_logprob, 1.0, 5000)
+    with monkeypatch.context() as m:  # the writer's check off
+        m.setattr(topkd._checks, "repeated",
+                  lambda i, used: (i, torch.zeros_like(i[..., 1:], dtype=torch.bool)))
+        _write(tmp_path, [(tokens, twice), _teacher(3, 5000, 16, seed=2)], codec=codec)
+    problems = verify_store(tmp_path)
+    assert len(problems) == 1 and "'s0'" in problems[0] and "repeated" in problems[0], problems
+
+
 @pytest.mark.parametrize("tensor", ["seq_bytes", "seq_width"])
 def test_damaged_sequence_arrays_refused(tmp_path, tensor):
     teachers = [_teacher(n, 5000, 16, seed=n) for n in (4, 3)]

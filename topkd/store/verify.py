@@ -8,6 +8,7 @@ import os
 import numpy as np
 import torch
 
+from .. import _checks
 from . import codec
 from . import format as fmt
 from .shard import open_file, shard_ids
@@ -210,8 +211,8 @@ def _check_rows_v2(tensors, ids, manifest, bad) -> None:
             tensors["row_base"][r0:r1].numpy(), int(tensors["seq_width"][i]),
             None if counts is None else counts[r0:r1].numpy(), vocab, k,
             manifest.get("logprob_step"), version >= 3)
-        used = indices >= 0
-        if bool((indices >= vocab).any()) or np.isnan(logprobs).any() or (
-                used[:, 1:] & (indices[:, 1:] == indices[:, :-1])).any():
+        indices = torch.from_numpy(indices)
+        if bool((indices >= vocab).any()) or np.isnan(logprobs).any() or bool(
+                _checks.repeated(indices, indices >= 0)[1].any()):
             raise bad(f"sample_id {sample_id!r}: decodes to indices outside the vocabulary, "
                       f"repeated indices or NaN log-probs")
