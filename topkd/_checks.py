@@ -101,6 +101,14 @@ def teacher_mask(value, teacher, lead_shape: tuple[int, ...]):
     return teacher.mask if value is None else value & teacher.mask
 
 
+def integer_tensor(name: str, value) -> None:
+    """``value`` is a tensor of an integer dtype (not bool)."""
+    if (not isinstance(value, torch.Tensor) or value.dtype == torch.bool
+            or value.dtype.is_floating_point or value.dtype.is_complex):
+        raise TypeError(f"{name} must be an integer tensor, got "
+                        f"{getattr(value, 'dtype', type(value).__name__)}")
+
+
 def sparse_teacher(teacher, keep=None) -> None:
     """A :class:`~topkd.SparseTeacher`'s tensors: their dtypes and shapes, then, on the rows a
     loss keeps (``keep``: bool with the leading shape, or None for all), their values (one
@@ -110,10 +118,7 @@ def sparse_teacher(teacher, keep=None) -> None:
     :func:`topkd.select_topk`) and unchanged since (its tensors' in-place versions) is not
     read again."""
     indices, logprobs, rest = teacher.indices, teacher.logprobs, teacher.rest_logprob
-    if (not isinstance(indices, torch.Tensor) or indices.dtype == torch.bool
-            or indices.dtype.is_floating_point or indices.dtype.is_complex):
-        raise TypeError(f"SparseTeacher.indices must be an integer tensor, got "
-                        f"{getattr(indices, 'dtype', type(indices).__name__)}")
+    integer_tensor("SparseTeacher.indices", indices)
     for name, t in (("logprobs", logprobs), ("rest_logprob", rest)):
         if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
             raise TypeError(f"SparseTeacher.{name} must be a floating-point tensor, got "
@@ -139,7 +144,7 @@ def sparse_teacher(teacher, keep=None) -> None:
         mark_checked(teacher, keep)
         return
     row = int(bad.nonzero()[0, 0])
-    at = _position(row, indices.shape[:-1])
+    at = tuple(int(i) for i in torch.unravel_index(torch.tensor(row), indices.shape[:-1]))
     if outside[row].any():
         seen = int(idx[row][outside[row]][0])
         raise ValueError(f"SparseTeacher.indices must lie in [-1, vocab_size={vocab}) (-1: an "
@@ -151,15 +156,6 @@ def sparse_teacher(teacher, keep=None) -> None:
     slot = int(unused_mass[row].nonzero()[0, 0])
     raise ValueError(f"SparseTeacher.logprobs must be -inf at the unused slots (index -1); "
                      f"row {at} has {float(logq[row, slot])} at slot {slot}")
-
-
-def _position(row: int, lead: torch.Size) -> tuple[int, ...]:
-    """The flat ``row``'s position in the leading shape ``lead``."""
-    at = []
-    for size in reversed(lead):
-        row, i = divmod(row, size)
-        at.append(i)
-    return tuple(reversed(at))
 
 
 def _versions(teacher, keep):
@@ -309,9 +305,7 @@ def sampled_teacher(teacher) -> None:
     indices, counts = teacher.indices, teacher.counts
     integer("samples", teacher.samples, 1)
     for name, t in (("indices", indices), ("counts", counts)):
-        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise TypeError(f"SampledTeacher.{name} must be an integer tensor, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        integer_tensor(f"SampledTeacher.{name}", t)
     if indices.dim() < 1 or counts.shape != indices.shape:
         raise ValueError(f"SampledTeacher.counts must have indices' shape "
                          f"{tuple(indices.shape)}, got {tuple(counts.shape)}")
