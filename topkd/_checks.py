@@ -116,7 +116,8 @@ def sparse_teacher(teacher, keep=None) -> None:
     at the unused slots (-1). Out of range, an index would be dropped or give inf; twice, its
     mass would count twice: a wrong number. A teacher checked before (or made by
     :func:`topkd.select_topk`) and unchanged since (its tensors' in-place versions) is not
-    read again."""
+    read again: one valid on every row, whatever ``keep``; one valid on kept rows only, while
+    ``keep`` is the same unchanged tensor."""
     indices, logprobs, rest = teacher.indices, teacher.logprobs, teacher.rest_logprob
     integer_tensor("SparseTeacher.indices", indices)
     for name, t in (("logprobs", logprobs), ("rest_logprob", rest)):
@@ -138,11 +139,14 @@ def sparse_teacher(teacher, keep=None) -> None:
     unused_mass = (idx == -1) & (logq > float("-inf"))
     ids, twice = repeated(idx, idx >= 0)
     bad = outside.any(-1) | unused_mass.any(-1) | twice.any(-1)
+    if not bool(bad.any()):  # valid on every row: whatever rows a later call keeps
+        mark_checked(teacher)
+        return
     if keep is not None:
         bad &= keep.reshape(-1).to(bad.device)
-    if not bool(bad.any()):
-        mark_checked(teacher, keep)
-        return
+        if not bool(bad.any()):
+            mark_checked(teacher, keep)
+            return
     row = int(bad.nonzero()[0, 0])
     at = tuple(int(i) for i in torch.unravel_index(torch.tensor(row), indices.shape[:-1]))
     if outside[row].any():

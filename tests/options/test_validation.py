@@ -182,6 +182,29 @@ def test_sparse_teacher_checked_once_while_unchanged():
         _checks.sparse_teacher(bad)
 
 
+def test_sparse_teacher_checked_once_under_new_masks():
+    """A loss combines its mask with the teacher's into a new tensor on every call: a teacher
+    valid on every row is not read again for any of them; one valid on the kept rows only is
+    read again under another mask tensor, and refused where that keeps a bad row."""
+    from topkd import _checks
+
+    s = torch.randn(3, V)
+    ok = _teacher(mask=torch.tensor([True, True, False]))
+    topkd.sparse_kl_loss(s, ok, mask=torch.tensor([True, False, True]))
+    assert _checks._checked(ok, torch.tensor([False, True, True]))
+    ok.indices[2, 0] = V  # a change, even on a row no mask keeps: read again
+    assert not _checks._checked(ok, torch.tensor([True, True, False]))
+    junk = _teacher()
+    junk.indices[1, 0] = V
+    mask = torch.tensor([True, False, True])
+    topkd.sparse_kl_loss(s, junk, mask=mask)
+    assert _checks._checked(junk, mask)
+    assert not _checks._checked(junk, mask.clone())
+    assert not _checks._checked(junk, None)
+    with pytest.raises(ValueError, match=r"row \(1,\) holds"):
+        topkd.sparse_kl_loss(s, junk, mask=torch.tensor([True, True, True]))
+
+
 # ---------------------------------------------------------------- k, top_p, top_p_min_k
 
 
