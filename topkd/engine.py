@@ -27,6 +27,7 @@ combined chunk by chunk.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -321,11 +322,30 @@ def _slice_stats(stats: dict, start: int, stop: int) -> dict:
     return {key: value[start:stop] for key, value in stats.items()}
 
 
+def _idle_rows(g_kd: torch.Tensor, g_ce: torch.Tensor) -> list[int]:
+    """The rows whose upstream gradients are both 0 (a mask dropped them, or a weight of 0),
+    ascending; one host sync per call. Their gradient is written as 0: computed, it is 0
+    times the row's terms, which are NaN where the row's inputs hold a NaN or an infinity (a
+    teacher's padding row, say), and through a fused head a NaN row would make all of the
+    weight's gradient NaN."""
+    return ((g_kd == 0) & (g_ce == 0)).nonzero()[:, 0].tolist()
+
+
+def _zero_rows(grad: torch.Tensor, idle: list[int], start: int, stop: int) -> torch.Tensor:
+    """``grad`` (the rows ``[start, stop)``) with the rows of ``idle`` among them set to 0."""
+    lo, hi = bisect.bisect_left(idle, start), bisect.bisect_left(idle, stop)
+    if lo < hi:
+        rows = torch.tensor(idle[lo:hi], device=grad.device) - start
+        grad.index_fill_(0, rows, 0)
+    return grad
+
+
 def sweep_forward(path, count: int, per: int, sink=None, weights=None):
     """Every chunk's statistics and row values; with ``sink`` (and per-row ``weights``, the
     upstream gradients of the KD and CE rows) each chunk's gradient too, in the same pass.
     Returns the rows' statistics and values (only ``kd`` and ``ce`` with a sink)."""
     parts = []
+    idle = None if sink is None else _idle_rows(*weights)
     for start, stop in row_chunks(count, per):
         state, stats = path.forward(start, stop)
         if sink is not None:
@@ -333,7 +353,7 @@ def sweep_forward(path, count: int, per: int, sink=None, weights=None):
             w_kd, w_ce = weights[0][start:stop], weights[1][start:stop]
             grad = path.gradient(state, stats, w_kd, w_ce, sink.chunk_dtype,
                                  sink.destination(start, stop))
-            sink.add(start, stop, grad, path.cfg.valid)
+            sink.add(start, stop, _zero_rows(grad, idle, start, stop), path.cfg.valid)
             stats = {key: stats[key] for key in ("kd", "ce") if key in stats}
             del grad
         del state  # free this chunk's buffers before the next is made
@@ -348,12 +368,13 @@ def sweep_forward(path, count: int, per: int, sink=None, weights=None):
 
 def sweep_backward(path, count: int, per: int, stats: dict, g_kd, g_ce, sink) -> None:
     """Each chunk's gradient from the saved row statistics and the rows' upstream gradients."""
+    idle = _idle_rows(g_kd, g_ce)
     for start, stop in row_chunks(count, per):
         part = _slice_stats(stats, start, stop)
         state = path.refresh(start, stop, part)
         grad = path.gradient(state, part, g_kd[start:stop], g_ce[start:stop], sink.chunk_dtype,
                              sink.destination(start, stop))
-        sink.add(start, stop, grad, path.cfg.valid)
+        sink.add(start, stop, _zero_rows(grad, idle, start, stop), path.cfg.valid)
         del state, grad  # free this chunk's buffers before the next is made
     sink.finish(path.cfg.valid)
 

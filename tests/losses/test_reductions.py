@@ -47,6 +47,51 @@ def test_mask_with_every_reduction(name, reduction, dtype):
 
 
 @pytest.mark.parametrize("name", FNS)
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_masked_rows_may_hold_non_finite_values(name, reduction, bad):
+    """A row the mask drops gets zero gradient whatever it holds (a teacher's padding rows may
+    be NaN): the kept rows' loss and gradient are those of the same inputs with the dropped
+    rows made finite, and the dropped rows' gradient is 0, not 0 times NaN."""
+    f, fr = _fns()[name]
+    s, t = logits(3, 4, V, seed=8), logits(3, 4, V, seed=9, scale=2.5)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[0, 1] = mask[2, 3] = False
+    t_bad, s_bad = t.clone(), s.clone()
+    t_bad[0, 1] = bad
+    t_bad[2, 3, 5:40] = bad
+    s_bad[2, 3, 7] = bad
+    gout = torch.randn(3, 4) if reduction == "none" else None
+    loss, grad = run(f, s_bad, t_bad, mask=mask, reduction=reduction, grad_output=gout)
+    rl, rg = ref.loss_and_grad(fr, s, t, mask=mask, reduction=reduction, grad_output=gout)
+    assert_loss_close(loss, rl)
+    assert torch.all(grad[~mask] == 0)
+    assert_grad_close(grad, rg, torch.float32)
+
+
+def test_masked_rows_may_hold_non_finite_values_fused():
+    """Through a fused head a NaN gradient row would reach every entry of the weight's
+    gradient: a teacher row the mask drops may hold NaN."""
+    g = torch.Generator().manual_seed(10)
+    h = torch.randn(6, 32, generator=g, dtype=torch.float64).float()
+    w = torch.randn(V, 32, generator=g, dtype=torch.float64).float()
+    t = logits(6, V, seed=11)
+    mask = torch.tensor([True, False, True, True, False, True])
+    t_bad = t.clone()
+    t_bad[1], t_bad[4, :9] = float("nan"), float("inf")
+    for loss_fn in (lambda hw, te, **kw: topkd.fused_topk_kl_loss(*hw, te, 16, **kw),
+                    lambda hw, te, **kw: topkd.fused_kl_loss(*hw, te, **kw)):
+        grads = []
+        for teacher in (t, t_bad):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            loss_fn((hh, ww), teacher, mask=mask, reduction="mean").backward()
+            grads.append((hh.grad, ww.grad))
+        for mine, finite in zip(grads[1], grads[0], strict=True):
+            assert torch.isfinite(mine).all()
+            torch.testing.assert_close(mine, finite, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", FNS)
 def test_mean_is_over_kept_rows(name):
     f, _ = _fns()[name]
     s = logits(10, V, seed=4)
