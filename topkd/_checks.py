@@ -45,8 +45,14 @@ def real(name: str, value, ok, requirement: str) -> float:
     return value
 
 
-def temperature(value) -> float:
-    return real("temperature", value, lambda x: x > 0, "> 0")
+_F32 = torch.finfo(torch.float32)
+
+
+def temperature(value, name: str = "temperature") -> float:
+    """A temperature: finite, > 0, and a float32 normal number (the logits are divided by it
+    in float32: past that range they would be 0 or inf, and the loss NaN)."""
+    return real(name, value, lambda x: _F32.tiny <= x <= _F32.max,
+                f"> 0, in float32's normal range [{_F32.tiny:.3g}, {_F32.max:.3g}]")
 
 
 def top_p(value, min_k) -> tuple[float | None, int]:
@@ -130,7 +136,11 @@ def sparse_teacher(teacher, keep=None) -> None:
     if rest.shape != indices.shape[:-1]:
         raise ValueError(f"SparseTeacher.rest_logprob must have indices' leading shape "
                          f"{tuple(indices.shape[:-1])}, got {tuple(rest.shape)}")
+    if indices.shape[-1] == 0:
+        raise ValueError(f"SparseTeacher must keep K >= 1 entries a row, got indices "
+                         f"{tuple(indices.shape)}")
     vocab = integer("SparseTeacher.vocab_size", teacher.vocab_size, 1)
+    temperature(teacher.temperature, "SparseTeacher.temperature")
     if indices.numel() == 0 or _checked(teacher, keep):
         return
     k = indices.shape[-1]
@@ -302,20 +312,28 @@ def repeated(indices: torch.Tensor, used: torch.Tensor):
     return ids, (ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)
 
 
-def sampled_teacher(teacher) -> None:
-    """A :class:`~topkd.SampledTeacher`'s tensors: shapes, dtypes, and on every row that is not
-    padding, distinct ids with counts summing to ``samples`` (or to 0: a row of no draws, which
-    contributes nothing) (one host sync)."""
+def sampled_teacher(teacher, keep=None) -> None:
+    """A :class:`~topkd.SampledTeacher`'s tensors: shapes, dtypes, its temperature, and on the
+    rows a loss keeps (``keep``: bool with the leading shape, or None for the rows of the
+    teacher's own ``mask``), distinct ids
+    with counts summing to ``samples`` (or to 0: a row of no draws, which contributes nothing)
+    (one host sync)."""
     indices, counts = teacher.indices, teacher.counts
     integer("samples", teacher.samples, 1)
+    temperature(teacher.temperature, "SampledTeacher.temperature")
     for name, t in (("indices", indices), ("counts", counts)):
         integer_tensor(f"SampledTeacher.{name}", t)
     if indices.dim() < 1 or counts.shape != indices.shape:
         raise ValueError(f"SampledTeacher.counts must have indices' shape "
                          f"{tuple(indices.shape)}, got {tuple(counts.shape)}")
-    if teacher.logprobs is not None and teacher.logprobs.shape != indices.shape:
-        raise ValueError(f"SampledTeacher.logprobs must have indices' shape "
-                         f"{tuple(indices.shape)}, got {tuple(teacher.logprobs.shape)}")
+    if teacher.logprobs is not None:
+        if (not isinstance(teacher.logprobs, torch.Tensor)
+                or not teacher.logprobs.dtype.is_floating_point):
+            raise TypeError(f"SampledTeacher.logprobs must be a floating-point tensor or None, "
+                            f"got {getattr(teacher.logprobs, 'dtype', type(teacher.logprobs))}")
+        if teacher.logprobs.shape != indices.shape:
+            raise ValueError(f"SampledTeacher.logprobs must have indices' shape "
+                             f"{tuple(indices.shape)}, got {tuple(teacher.logprobs.shape)}")
     if indices.numel() == 0:
         return
     used = counts > 0
@@ -323,9 +341,13 @@ def sampled_teacher(teacher) -> None:
     total = counts.long().sum(-1)  # (0: a padding row of no draws, which counts nothing)
     bad = (twice | ((total != teacher.samples) & (total != 0)) | (counts < 0).any(-1)
            | (used & ((indices < 0) | (indices >= teacher.vocab_size))).any(-1))
-    if teacher.mask is not None:
-        bad = bad & teacher.mask
+    keep = teacher.mask if keep is None else keep  # (a loss's keep includes teacher.mask)
+    if keep is not None:
+        bad = bad & keep.to(bad.device)
     if bool(bad.any()):
+        flat = int(bad.reshape(-1).nonzero()[0, 0])
+        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))
         raise ValueError(f"SampledTeacher: every row must hold distinct ids in [0, "
                          f"{teacher.vocab_size}) with counts >= 0 summing to samples="
-                         f"{teacher.samples} (use topkd.sample_teacher)")
+                         f"{teacher.samples} (use topkd.sample_teacher); row {at} holds ids "
+                         f"{indices[at].tolist()} with counts {counts[at].tolist()}")

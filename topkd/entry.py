@@ -201,6 +201,7 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
     if options.top_p is not None:
         raise ValueError("top_p applies when selecting; this SparseTeacher is already "
                          "selected (pass top_p to select_topk)")
+    _checks.integer_tensor("SparseTeacher.indices", teacher.indices)
     _checks.same_leading(names["student"], lead, "teacher", teacher.indices.shape[:-1])
     _checks.sparse_teacher(teacher, _checks.teacher_mask(mask, teacher, lead))
     return _rows_teacher(student_tensors, teacher, sparse_tensors(teacher, lead.numel()), options,
@@ -226,9 +227,9 @@ def _sampled_teacher(student_tensors, teacher, options, names, lead, x, mask, la
     if options.k is not None and options.k != teacher.k:
         raise ValueError(f"k={options.k} applies to top-K teachers; a SampledTeacher has "
                          f"{teacher.samples} samples in {teacher.k} slots per row")
+    _checks.integer_tensor("SampledTeacher.indices", teacher.indices)
     _checks.same_leading(names["student"], lead, "teacher", teacher.indices.shape[:-1])
-    _checks.teacher_mask(mask, teacher, lead)
-    _checks.sampled_teacher(teacher)
+    _checks.sampled_teacher(teacher, _checks.teacher_mask(mask, teacher, lead))
     n, k = lead.numel(), teacher.k
     weights = teacher.weights()
     tensors = dict(zip(_SPARSE_NAMES, (
@@ -250,6 +251,11 @@ def _rows_teacher(student_tensors, teacher, teacher_tensors, options, names, lea
     """The loss against a teacher given as rows of kept entries (``teacher_tensors``, the
     engine's ``[n, K]`` indices and log-probs and ``[n]`` ghost)."""
     _checks.teacher_temperature(options.temperature, teacher)
+    if options.teacher_logit_scale != 1 or options.teacher_softcap is not None:
+        raise ValueError(f"teacher_logit_scale={options.teacher_logit_scale} and "
+                         f"teacher_softcap={options.teacher_softcap} transform teacher logits; "
+                         f"a {type(teacher).__name__} holds log-probs already (transform the "
+                         f"teacher's logits before selecting or sampling from them)")
     mask = _checks.teacher_mask(mask, teacher, lead)
     fields, labels = _objective(options, labels, lead, x.device)
     fields["temperature"] = teacher.temperature
@@ -282,10 +288,11 @@ def check_inputs(student: tuple, teacher, options: KDOptions, mask, labels) -> N
     _checks.mask(mask, lead)
     names = {"student": "hidden", "teacher": "teacher logits"}
     if isinstance(teacher, (SparseTeacher, SampledTeacher)):
+        _checks.integer_tensor(f"{type(teacher).__name__}.indices", teacher.indices)
         _checks.same_leading("hidden", lead, "teacher", teacher.indices.shape[:-1])
         keep = _checks.teacher_mask(mask, teacher, lead)
         if isinstance(teacher, SampledTeacher):
-            _checks.sampled_teacher(teacher)
+            _checks.sampled_teacher(teacher, keep)
         else:
             _checks.sparse_teacher(teacher, keep)
     else:
@@ -389,10 +396,12 @@ def _width(student_tensors: dict) -> int:
 
 def sparse_tensors(teacher: SparseTeacher, n: int) -> dict:
     """A :class:`SparseTeacher`'s tensors as the engine takes them (``[n, K]``, ``[n]``)."""
-    k = teacher.k
-    return dict(zip(_SPARSE_NAMES, (teacher.indices.reshape(n, k),
-                                    teacher.logprobs.reshape(n, k),
-                                    teacher.rest_logprob.reshape(n)), strict=True))
+    k, indices = teacher.k, teacher.indices
+    if indices.dtype not in (torch.int32, torch.int64):  # (gather takes no narrower index)
+        indices = indices.long()
+    return dict(zip(_SPARSE_NAMES, (indices.reshape(n, k),
+                                    teacher.logprobs.float().reshape(n, k),
+                                    teacher.rest_logprob.float().reshape(n)), strict=True))
 
 
 def _objective(options: KDOptions, labels, lead_shape, device):

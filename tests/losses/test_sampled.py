@@ -265,8 +265,22 @@ def test_refuses_malformed_sampled_teacher():
     padded = bad.map(lambda x: x, mask=torch.ones(3, 5, dtype=torch.bool))
     padded.mask[0, 0] = False
     topkd.sparse_kl_loss(d["s"], padded)
+    # so may a row the loss's own mask drops (refused before), and a bad kept row is named
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[0, 0] = False
+    topkd.sparse_kl_loss(d["s"], bad, mask=mask)
+    with pytest.raises(ValueError, match=r"row \(0, 0\) holds ids"):
+        topkd.sparse_kl_loss(d["s"], bad)
     with pytest.raises(ValueError, match="vocab_size"):
         topkd.sparse_kl_loss(d["s"][..., :60], st)
+    # its temperature (0: a NaN loss before) and its log-probs' dtype (ints: truncated before)
+    with pytest.raises(ValueError, match="SampledTeacher.temperature"):
+        topkd.sparse_kl_loss(d["s"], topkd.SampledTeacher(
+            st.indices, st.counts, st.samples, 0.0, st.vocab_size, st.logprobs))
+    with pytest.raises(TypeError, match="SampledTeacher.logprobs must be a floating"):
+        topkd.sparse_kl_loss(d["s"], topkd.SampledTeacher(
+            st.indices, st.counts, st.samples, st.temperature, st.vocab_size,
+            st.logprobs.long()))
 
 
 def test_compiled_kernels_equal_eager():

@@ -1,6 +1,7 @@
 """Every bad input raises ValueError / TypeError naming the argument, before any work."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -117,6 +118,12 @@ def _bad_teachers():
         rf"at most once per row; row \(0,\) holds {int(i[0, 1])} more than once"
     yield "unused slot with mass", _teacher(indices=_set(i, 1, 3, -1)), ValueError, \
         r"-inf at the unused slots.*row \(1,\) has -?\d.* at slot 3"
+    for t in (0.0, -1.0, math.nan, 1e39):  # (0: a NaN loss, before)
+        yield f"temperature {t}", _teacher(temperature=t), ValueError, \
+            rf"SparseTeacher.temperature must be finite and > 0.*got {re.escape(str(t))}"
+    yield "temperature None", _teacher(temperature=None), TypeError, "SparseTeacher.temperature"
+    yield "K = 0", _teacher(indices=i[:, :0], logprobs=q[:, :0]), ValueError, "K >= 1"
+    yield "list indices", _teacher(indices=i.tolist()), TypeError, "indices must be an integer"
 
 
 @pytest.mark.parametrize("name,teacher,error,match", list(_bad_teachers()),
@@ -134,6 +141,33 @@ def test_bad_sparse_teacher(name, teacher, error, match):
     with pytest.raises(error, match=match):
         check_inputs((hidden, weight), teacher, topkd.KDOptions(), None, None)
     assert s.grad is None and hidden.grad is None
+
+
+def test_sparse_teacher_narrow_and_wide_dtypes():
+    """int8/int16 indices (gather takes int32/int64 only: a bare RuntimeError before) and
+    float64 log-probs (a float64 loss before) give the float32 loss of the int64 / float32
+    teacher."""
+    ok = _teacher(k=4)
+    s = torch.randn(3, V)
+    ref = topkd.sparse_kl_loss(s, ok)
+    for change in (dict(indices=ok.indices.to(torch.int16)),
+                   dict(logprobs=ok.logprobs.double(), rest_logprob=ok.rest_logprob.double())):
+        fields = dict(indices=ok.indices, logprobs=ok.logprobs, rest_logprob=ok.rest_logprob,
+                      temperature=1.0, vocab_size=V)
+        got = topkd.sparse_kl_loss(s, topkd.SparseTeacher(**{**fields, **change}))
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_teacher_transform_refused_next_to_rows():
+    """teacher_logit_scale / teacher_softcap transform logits; a SparseTeacher or
+    SampledTeacher holds log-probs (the options were ignored before)."""
+    s = torch.randn(3, V)
+    for teacher in (_teacher(), topkd.sample_teacher(torch.randn(3, V), 4)):
+        for opts in (topkd.KDOptions(teacher_softcap=30.0),
+                     topkd.KDOptions(teacher_logit_scale=2.0)):
+            with pytest.raises(ValueError, match="teacher_logit_scale=.* teacher_softcap="):
+                topkd.distill_loss(s, teacher, opts)
 
 
 def test_sparse_teacher_values_checked_on_kept_rows_only():
@@ -261,7 +295,7 @@ def test_top_p_min_k_below_one(min_k):
 # ---------------------------------------------------------------- temperature
 
 
-@pytest.mark.parametrize("temperature", [0.0, -1.0, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("temperature", [0.0, -1.0, math.nan, math.inf, -math.inf, 1e39, 1e-39])
 def test_bad_temperature(temperature):
     s, t = _st()
     for f in (lambda: topkd.topk_kl_loss(s, t, 4, temperature=temperature),
