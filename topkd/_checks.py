@@ -46,6 +46,9 @@ def real(name: str, value, ok, requirement: str) -> float:
 
 
 _F32 = torch.finfo(torch.float32)
+# How far past 1 (as a log) a SparseTeacher row's mass may sum: a float16 store rounds each
+# log-prob by up to 2^-11 relative, a row's sum of them by some 3e-4 (measured; bf16 more).
+_MASS_SLACK = math.log1p(1e-2)
 
 
 def temperature(value, name: str = "temperature") -> float:
@@ -118,12 +121,13 @@ def integer_tensor(name: str, value) -> None:
 def sparse_teacher(teacher, keep=None) -> None:
     """A :class:`~topkd.SparseTeacher`'s tensors: their dtypes and shapes, then, on the rows a
     loss keeps (``keep``: bool with the leading shape, or None for all), their values (one
-    host sync): indices in ``[-1, vocab_size)``, none twice in a row, and ``-inf`` log-probs
-    at the unused slots (-1). Out of range, an index would be dropped or give inf; twice, its
-    mass would count twice: a wrong number. A teacher checked before (or made by
-    :func:`topkd.select_topk`) and unchanged since (its tensors' in-place versions) is not
-    read again: one valid on every row, whatever ``keep``; one valid on kept rows only, while
-    ``keep`` is the same unchanged tensor."""
+    host sync): indices in ``[-1, vocab_size)``, none twice in a row, ``-inf`` log-probs
+    at the unused slots (-1), and masses (kept and rest) summing to at most 1 (+1%, for
+    rounded stores; raw logits given as log-probs sum far past it). Out of range, an index
+    would be dropped or give inf; twice, its mass would count twice: a wrong number. A
+    teacher checked before (or made by :func:`topkd.select_topk`) and unchanged since (its
+    tensors' in-place versions) is not read again: one valid on every row, whatever
+    ``keep``; one valid on kept rows only, while ``keep`` is the same unchanged tensor."""
     indices, logprobs, rest = teacher.indices, teacher.logprobs, teacher.rest_logprob
     integer_tensor("SparseTeacher.indices", indices)
     for name, t in (("logprobs", logprobs), ("rest_logprob", rest)):
@@ -148,7 +152,10 @@ def sparse_teacher(teacher, keep=None) -> None:
     outside = (idx < -1) | (idx >= vocab)
     unused_mass = (idx == -1) & (logq > float("-inf"))
     ids, twice = repeated(idx, idx >= 0)
-    bad = outside.any(-1) | unused_mass.any(-1) | twice.any(-1)
+    rest_flat = rest.reshape(-1)
+    mass = torch.logaddexp(torch.logsumexp(logq.float(), -1), rest_flat.float())
+    excess = mass > _MASS_SLACK
+    bad = outside.any(-1) | unused_mass.any(-1) | twice.any(-1) | excess
     if not bool(bad.any()):  # valid on every row: whatever rows a later call keeps
         mark_checked(teacher)
         return
@@ -167,6 +174,11 @@ def sparse_teacher(teacher, keep=None) -> None:
         seen = int(ids[row, 1:][twice[row]][0])
         raise ValueError(f"SparseTeacher.indices must hold each vocabulary index at most once "
                          f"per row; row {at} holds {seen} more than once")
+    if excess[row]:
+        raise ValueError(f"SparseTeacher.logprobs and rest_logprob must be log-probabilities "
+                         f"of at most the whole mass (a row's kept masses and rest sum to 1, "
+                         f"or less where the rest is left out); row {at} sums to "
+                         f"{float(mass[row].exp()):.6g}")
     slot = int(unused_mass[row].nonzero()[0, 0])
     raise ValueError(f"SparseTeacher.logprobs must be -inf at the unused slots (index -1); "
                      f"row {at} has {float(logq[row, slot])} at slot {slot}")
@@ -177,7 +189,8 @@ def _versions(teacher, keep):
     (None where a tensor has no version counter: an inference-mode tensor)."""
     try:
         return ((teacher.indices, teacher.indices._version),
-                (teacher.logprobs, teacher.logprobs._version), teacher.vocab_size,
+                (teacher.logprobs, teacher.logprobs._version),
+                (teacher.rest_logprob, teacher.rest_logprob._version), teacher.vocab_size,
                 None if keep is None else (keep, keep._version))
     except RuntimeError:
         return None
@@ -200,8 +213,9 @@ def _checked(teacher, keep) -> bool:
     seen, now = teacher.__dict__.get("_checked"), _versions(teacher, keep)
     if seen is None or now is None:
         return False
-    (indices, logprobs, vocab, kept), (indices_now, logprobs_now, vocab_now, keep_now) = seen, now
-    if not (_same(indices, indices_now) and _same(logprobs, logprobs_now) and vocab == vocab_now):
+    *tensors, vocab, kept = seen
+    *tensors_now, vocab_now, keep_now = now
+    if vocab != vocab_now or not all(map(_same, tensors, tensors_now)):
         return False
     return kept is None or (keep_now is not None and _same(kept, keep_now))
 

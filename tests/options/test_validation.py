@@ -122,6 +122,17 @@ def _bad_teachers():
         yield f"temperature {t}", _teacher(temperature=t), ValueError, \
             rf"SparseTeacher.temperature must be finite and > 0.*got {re.escape(str(t))}"
     yield "temperature None", _teacher(temperature=None), TypeError, "SparseTeacher.temperature"
+    # masses past 1: raw logits given as log-probs (a loss of 100s before), a kept log-prob > 0
+    same = dict(indices=i, logprobs=q, rest_logprob=ok.rest_logprob)
+    raw = torch.randn(3, 4) * 3 + 5
+    yield "raw logits", _teacher(**{**same, "logprobs": raw}), ValueError, \
+        r"at most the whole mass.*row \(0,\)"
+    yield "log-prob 0.7", _teacher(**{**same, "logprobs": _set(q, 2, 1, 0.7)}), ValueError, \
+        r"at most the whole mass.*row \(2,\) sums to"
+    rest = ok.rest_logprob.clone()
+    rest[1] = 0.0
+    yield "rest 0", _teacher(**{**same, "rest_logprob": rest}), ValueError, \
+        r"at most the whole mass.*row \(1,\)"
     yield "K = 0", _teacher(indices=i[:, :0], logprobs=q[:, :0]), ValueError, "K >= 1"
     yield "list indices", _teacher(indices=i.tolist()), TypeError, "indices must be an integer"
 
@@ -141,6 +152,18 @@ def test_bad_sparse_teacher(name, teacher, error, match):
     with pytest.raises(error, match=match):
         check_inputs((hidden, weight), teacher, topkd.KDOptions(), None, None)
     assert s.grad is None and hidden.grad is None
+
+
+def test_sparse_teacher_mass_within_rounding():
+    """A row whose masses sum to 1 within a float16 store's rounding (+3e-4), or to less (its
+    rest left out, for normalize="topk"), is taken."""
+    ok = _teacher()
+    s = torch.randn(3, V)
+    same = dict(indices=ok.indices, logprobs=ok.logprobs, rest_logprob=ok.rest_logprob)
+    over = _teacher(**{**same, "logprobs": ok.logprobs + math.log1p(3e-4)})
+    short = _teacher(**{**same, "rest_logprob": torch.full((3,), -math.inf)})
+    for teacher in (over, short):
+        assert torch.isfinite(topkd.sparse_kl_loss(s, teacher, normalize="topk")).all()
 
 
 def test_sparse_teacher_narrow_and_wide_dtypes():

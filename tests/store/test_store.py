@@ -874,14 +874,25 @@ def test_writer_bad_inputs(tmp_path):
                                                     teacher.rest_logprob, 1.0, V))
     twice = teacher.indices.clone()
     twice[2, 3] = twice[2, 1]  # (every codec stored it before; a loss now refuses it)
-    with pytest.raises(ValueError, match=rf"at most once per row; row 2 holds {int(twice[2, 1])}"):
+    with pytest.raises(ValueError,
+                       match=rf"'a'.*at most once per row; row \(2,\) holds {int(twice[2, 1])}"):
         writer.add("a", tokens, topkd.SparseTeacher(twice, teacher.logprobs,
                                                     teacher.rest_logprob, 1.0, V))
-    hole = teacher.indices.clone()
-    hole[0, 3] = -1  # an unused slot before used ones
+    hole, hole_q = teacher.indices.clone(), teacher.logprobs.clone()
+    hole[0, 3], hole_q[0, 3] = -1, float("-inf")  # an unused slot before used ones
     with pytest.raises(ValueError, match=r"unused slots \(-1\)"):
-        writer.add("a", tokens, topkd.SparseTeacher(hole, teacher.logprobs,
-                                                    teacher.rest_logprob, 1.0, V))
+        writer.add("a", tokens, topkd.SparseTeacher(hole, hole_q, teacher.rest_logprob, 1.0, V))
+    # what a loss would refuse (each stored before, the mass of a -1 slot silently dropped)
+    minus = teacher.indices.clone()
+    minus[1, -1] = -1
+    for indices, logprobs, error, match in (
+            (minus, teacher.logprobs, ValueError, r"-inf at the unused slots.*row \(1,\)"),
+            (minus.clone().fill_(-5), teacher.logprobs, ValueError, r"row \(0,\) holds -5"),
+            (teacher.indices, teacher.logprobs.long(), TypeError, "logprobs must be a floating"),
+            (teacher.indices.float(), teacher.logprobs, TypeError, "indices must be an integer")):
+        with pytest.raises(error, match=rf"sample 'a': .*{match}"):
+            writer.add("a", tokens, topkd.SparseTeacher(indices, logprobs,
+                                                        teacher.rest_logprob, 1.0, V))
     assert len(writer) == 0
     writer.add("a", tokens, teacher)
     writer.close()

@@ -300,6 +300,10 @@ class TeacherStoreWriter:
             raise TypeError(f"teacher must be a topkd.SparseTeacher, got "
                             f"{type(teacher).__name__}")
         self._check_settings(sample_id, teacher, "k")
+        try:  # what a loss would refuse (dtypes, shapes, indices, unused slots' mass)
+            _checks.sparse_teacher(teacher)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"sample {sample_id!r}: {e}") from None
         s = self.settings
         if tuple(teacher.indices.shape) != (length, s["k"]):
             raise ValueError(f"sample {sample_id!r}: teacher.indices must be [{length}, "
@@ -320,15 +324,6 @@ class TeacherStoreWriter:
         if not torch.equal(used, prefix):
             raise ValueError(f"sample {sample_id!r}: unused slots (-1) must come after the used "
                              f"ones in each row, as select_topk makes them")
-        if bool((indices >= s["vocab_size"]).any()):
-            raise ValueError(f"sample {sample_id!r}: teacher indices must be < vocab_size="
-                             f"{s['vocab_size']}, got {int(indices.max())}")
-        ids, twice = _checks.repeated(indices, used)
-        if bool(twice.any()):
-            row = int(twice.any(-1).nonzero()[0, 0])
-            raise ValueError(f"sample {sample_id!r}: teacher indices must hold each vocabulary "
-                             f"index at most once per row; row {row} holds "
-                             f"{int(ids[row, 1:][twice[row]][0])} more than once")
         if bool(torch.isnan(rest).any() | (rest > 0).any()):
             raise ValueError(f"sample {sample_id!r}: teacher.rest_logprob must be a log-mass "
                              f"(<= 0, not NaN), got {rest[torch.isnan(rest) | (rest > 0)][:3]}")
