@@ -518,6 +518,24 @@ def run_edge_cases(group, rank, failures):
                 failures.append(f"[TP kernels differ: {name}] another message: {e}")
         except Exception as e:  # noqa: BLE001
             failures.append(f"[TP kernels differ: {name}] {type(e).__name__}: {e}")
+    # options that differ on rank 0 only (a silently wrong loss, an aborted collective or a
+    # wait before): a ValueError on every rank, naming this rank's options
+    first = rank == 0
+    for name, call in (
+            ("k", lambda: topkd.topk_kl_loss(s, t, 3 if first else 2, process_group=group)),
+            ("temperature", lambda: topkd.kl_loss(s, t, temperature=2.0 if first else 1.0,
+                                                  process_group=group)),
+            ("chunk_bytes", lambda: topkd.kl_loss(s, t, chunk_bytes=4096 if first else None,
+                                                  process_group=group))):
+        try:
+            call()
+            failures.append(f"[TP options differ: {name}] no error on this rank")
+        except ValueError as e:
+            named = name in str(e) if first else True  # (rank 0's own options hold it)
+            if "the loss options differ across ranks" not in str(e) or not named:
+                failures.append(f"[TP options differ: {name}] another message: {e}")
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"[TP options differ: {name}] {type(e).__name__}: {e}")
     # impl="compile" where a machine cannot compile: learned at the exchange, not raised
     # before it (which would leave the other ranks waiting there): on rank 0 only, a
     # ValueError on every rank; on all, the RuntimeError on every rank

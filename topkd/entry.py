@@ -368,13 +368,32 @@ def _teacher_input(teacher, lead_shape, fused: bool, names: dict):
     )
 
 
+def _shared_options(options: KDOptions) -> str:
+    """The options every rank of a group must share, as text alike in every process: all
+    that differ from their defaults but the group, ``impl`` (the kernels it chose are compared
+    as such) and ``return_components``. (``k``, ``temperature``, ``vocab_size`` or
+    ``chunk_bytes`` differing across ranks gave a silently wrong loss, or a collective
+    aborted or waited.) A divergence without a ``repr`` of its own is named by its class and
+    attributes (the default ``repr`` holds an address)."""
+    def text(value):
+        if type(value).__repr__ is object.__repr__:
+            return f"{type(value).__qualname__}{sorted(vars(value).items())}"
+        return repr(value)
+
+    given = options.given()
+    for name in ("process_group", "impl", "return_components"):
+        given.pop(name, None)
+    return ", ".join(f"{name}={text(value)}" for name, value in sorted(given.items())) or "defaults"
+
+
 def _exchange(options: KDOptions, widths: dict, n: int, device, shards, backend):
     """This rank's shard of each tensor in ``widths``: exchanged here (with ``backend``, which
     every rank must share), or the caller's; then the backend must be one that can run
     (:func:`topkd.backends.ready`)."""
     if shards is None:
-        shards = parallel.exchange_shards(options.process_group, widths, n, device,
-                                          same=backends.across_ranks(backend))
+        same = {**backends.across_ranks(backend),
+                "the loss options": (_shared_options(options), ())}
+        shards = parallel.exchange_shards(options.process_group, widths, n, device, same=same)
         backends.ready(backend)
         return shards
     backends.ready(backend)
