@@ -99,8 +99,7 @@ def sample_teacher(
     _checks.logits("teacher_logits", teacher_logits)
     samples = _checks.integer("samples", samples, 1, MAX_SAMPLES)
     temperature = _checks.temperature(temperature)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
+    seed = _checks.integer("seed", seed, -(2**63), 2**64 - 1)  # (a torch.Generator's)
     chunk_bytes = _checks.chunk_bytes(chunk_bytes)
     width = teacher_logits.shape[-1]
     vocab = _checks.vocab_size(vocab_size, ("teacher_logits", width))

@@ -87,6 +87,9 @@ def test_sampler_checks():
         sample_teacher(t, N, temperature=0.0)
     with pytest.raises(TypeError, match="seed"):
         sample_teacher(t, N, seed=1.5)
+    with pytest.raises(ValueError, match=r"seed must be in .*got 2361183241434822606848"):
+        sample_teacher(t, N, seed=2**71)  # (a bare "Overflow when unpacking long" before)
+    sample_teacher(t, N, seed=2**64 - 1)
 
 
 # -- the loss against the float64 reference ----------------------------------------------------
