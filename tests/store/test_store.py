@@ -1054,13 +1054,26 @@ def test_dataset_over_the_whole_store(tmp_path):
 
 
 def _drop_from_manifest(path, *keys):
-    """Rewrite the manifest as a topkd that did not store tokens wrote it."""
+    """Rewrite the manifest without ``keys`` (as a topkd that did not store tokens wrote it,
+    or a hand edit)."""
     file = os.path.join(path, MANIFEST)
     manifest = json.load(open(file))
     for key in keys:
         del manifest[key]
     with open(file, "w") as f:
         json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "k", "temperature"])
+def test_manifest_without_a_setting_is_refused(tmp_path, key):
+    """(A bare KeyError from get and from verify_store before.)"""
+    seqs = _sequences([3])
+    _write(tmp_path, ["a"], seqs, codec="exact")
+    _drop_from_manifest(tmp_path, key)
+    with pytest.raises(ValueError, match=rf"lacks \['{key}'\]"):
+        TeacherStore(tmp_path).get("a", seqs[0][0])
+    (problem,) = verify_store(tmp_path)  # (verify lists the problems it finds)
+    assert f"lacks ['{key}']" in problem
 
 
 def test_store_without_the_tokens_setting_reads_as_no_tokens(tmp_path):

@@ -77,6 +77,8 @@ PLAIN_VERSION = 1  # fixed-width entries: codec "plain", with a logprob_dtype
 READABLE_VERSIONS = (PLAIN_VERSION, 2, FORMAT_VERSION)
 CODECS = ("compact", "exact", "plain")
 KINDS = ("topk", "sampled")
+# What every manifest since format 1 holds and the readers need (a bare KeyError without it).
+REQUIRED = ("vocab_size", "k", "temperature")
 SAMPLED_CODEC = "counts"  # the codec of every sampled store
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".safetensors"
@@ -272,6 +274,10 @@ def read_manifest(path: str) -> dict:
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise ValueError(f"{file} has format_version={manifest.get('format_version')!r}; this "
                          f"topkd reads format_version {' and '.join(map(str, READABLE_VERSIONS))}")
+    missing = [key for key in REQUIRED if key not in manifest]
+    if missing:
+        raise ValueError(f"{file} lacks {missing}: every topkd teacher store's manifest holds "
+                         f"{list(REQUIRED)} (was it edited by hand?)")
     manifest.setdefault("store_tokens", False)  # written before token ids were stored
     if manifest["format_version"] == PLAIN_VERSION:  # written before codecs existed
         manifest.setdefault("codec", "plain")
