@@ -58,6 +58,19 @@ def temperature(value, name: str = "temperature") -> float:
                 f"> 0, in float32's normal range [{_F32.tiny:.3g}, {_F32.max:.3g}]")
 
 
+def process_group(value):
+    """None or a ``torch.distributed`` process group (a bare AttributeError from inside
+    torch.distributed otherwise)."""
+    if value is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not isinstance(value, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                        f"{value!r} ({type(value).__name__})")
+    return value
+
+
 def top_p(value, min_k) -> tuple[float | None, int]:
     min_k = integer("top_p_min_k", min_k, 1)
     if value is None:

@@ -88,6 +88,7 @@ class KDOptions:
             "ce_weight": _checks.weight("ce_weight", self.ce_weight),
             "reduction": _checks.choice("reduction", self.reduction, _checks.REDUCTIONS),
             "chunk_bytes": _checks.chunk_bytes(self.chunk_bytes),
+            "process_group": _checks.process_group(self.process_group),
             "impl": _checks.choice("impl", self.impl, IMPLS),
             "logit_scale": _checks.scale("logit_scale", self.logit_scale),
             "teacher_logit_scale": _checks.scale("teacher_logit_scale",

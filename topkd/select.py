@@ -95,6 +95,7 @@ def select_topk(
     temperature = _checks.temperature(temperature)
     top_p, top_p_min_k = _checks.top_p(top_p, top_p_min_k)
     chunk_bytes = _checks.chunk_bytes(chunk_bytes)
+    process_group = _checks.process_group(process_group)
     backend = backends.choose(impl, teacher_logits.device, process_group)
     shard = parallel.exchange_shards(process_group, {"teacher": teacher_logits.shape[-1]},
                                      teacher_logits.shape[:-1].numel(), teacher_logits.device,

@@ -330,6 +330,18 @@ def test_bad_temperature(temperature):
             f()
 
 
+@pytest.mark.parametrize("group", ["world", 0, object()])
+def test_bad_process_group(group):
+    """(A bare AttributeError from inside torch.distributed before.)"""
+    s, t = _st()
+    for f in (lambda: topkd.topk_kl_loss(s, t, 4, process_group=group),
+              lambda: topkd.kl_loss(s, t, process_group=group),
+              lambda: topkd.select_topk(t, 4, process_group=group),
+              lambda: topkd.KDOptions(process_group=group)):
+        with pytest.raises(TypeError, match="process_group must be a torch.distributed"):
+            f()
+
+
 # ---------------------------------------------------------------- shapes and dtypes
 
 
