@@ -322,21 +322,23 @@ def _slice_stats(stats: dict, start: int, stop: int) -> dict:
     return {key: value[start:stop] for key, value in stats.items()}
 
 
-def _idle_rows(g_kd: torch.Tensor, g_ce: torch.Tensor) -> list[int]:
+def _idle_rows(g_kd: torch.Tensor, g_ce: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     """The rows whose upstream gradients are both 0 (a mask dropped them, or a weight of 0),
-    ascending; one host sync per call. Their gradient is written as 0: computed, it is 0
-    times the row's terms, which are NaN where the row's inputs hold a NaN or an infinity (a
-    teacher's padding row, say), and through a fused head a NaN row would make all of the
-    weight's gradient NaN."""
-    return ((g_kd == 0) & (g_ce == 0)).nonzero()[:, 0].tolist()
+    ascending, on the host (one sync per call) and on the gradients' device. Their gradient
+    is written as 0: computed, it is 0 times the row's terms, which are NaN where the row's
+    inputs hold a NaN or an infinity (a teacher's padding row, say), and through a fused head
+    a NaN row would make all of the weight's gradient NaN."""
+    rows = ((g_kd == 0) & (g_ce == 0)).nonzero()[:, 0]
+    return rows.tolist(), rows
 
 
-def _zero_rows(grad: torch.Tensor, idle: list[int], start: int, stop: int) -> torch.Tensor:
-    """``grad`` (the rows ``[start, stop)``) with the rows of ``idle`` among them set to 0."""
-    lo, hi = bisect.bisect_left(idle, start), bisect.bisect_left(idle, stop)
+def _zero_rows(grad: torch.Tensor, idle: tuple, start: int, stop: int) -> torch.Tensor:
+    """``grad`` (the rows ``[start, stop)``) with the rows of ``idle`` among them set to 0
+    (no host sync: the rows' indices are sliced on the device)."""
+    listed, rows = idle
+    lo, hi = bisect.bisect_left(listed, start), bisect.bisect_left(listed, stop)
     if lo < hi:
-        rows = torch.tensor(idle[lo:hi], device=grad.device) - start
-        grad.index_fill_(0, rows, 0)
+        grad.index_fill_(0, rows[lo:hi].to(grad.device) - start, 0)
     return grad
 
 
