@@ -46,9 +46,10 @@ def real(name: str, value, ok, requirement: str) -> float:
 
 
 _F32 = torch.finfo(torch.float32)
-# How far past 1 (as a log) a SparseTeacher row's mass may sum: a float16 store rounds each
-# log-prob by up to 2^-11 relative, a row's sum of them by some 3e-4 (measured; bf16 more).
-_MASS_SLACK = math.log1p(1e-2)
+# How far past 1 (as a log) a SparseTeacher row's mass may sum: a store in bfloat16 rounds
+# each log-prob by up to 2^-8 of itself, so a row's sum by up to 2^-8 times its entropy, at
+# most log K (3.2% at K = 4,096; float16 8x less; measured on float16 rows: 3.4e-4).
+_MASS_SLACK = math.log1p(5e-2)
 
 
 def temperature(value, name: str = "temperature") -> float:
@@ -131,12 +132,14 @@ def integer_tensor(name: str, value) -> None:
                         f"{getattr(value, 'dtype', type(value).__name__)}")
 
 
-def sparse_teacher(teacher, keep=None) -> None:
+def sparse_teacher(teacher, keep=None, masses: bool = True) -> None:
     """A :class:`~topkd.SparseTeacher`'s tensors: their dtypes and shapes, then, on the rows a
     loss keeps (``keep``: bool with the leading shape, or None for all), their values (one
     host sync): indices in ``[-1, vocab_size)``, none twice in a row, ``-inf`` log-probs
-    at the unused slots (-1), and masses (kept and rest) summing to at most 1 (+1%, for
-    rounded stores; raw logits given as log-probs sum far past it). Out of range, an index
+    at the unused slots (-1), and with ``masses`` (a loss that takes the log-probs as they
+    are: ``normalize="full"``; ``"topk"`` renormalizes them) masses, kept and rest, summing
+    to at most 1 (+5%, for rounded stores; raw logits given as log-probs sum far past it).
+    Out of range, an index
     would be dropped or give inf; twice, its mass would count twice: a wrong number. A
     teacher checked before (or made by :func:`topkd.select_topk`) and unchanged since (its
     tensors' in-place versions) is not read again: one valid on every row, whatever
@@ -158,24 +161,23 @@ def sparse_teacher(teacher, keep=None) -> None:
                          f"{tuple(indices.shape)}")
     vocab = integer("SparseTeacher.vocab_size", teacher.vocab_size, 1)
     temperature(teacher.temperature, "SparseTeacher.temperature")
-    if indices.numel() == 0 or _checked(teacher, keep):
+    if indices.numel() == 0 or _checked(teacher, keep, masses):
         return
     k = indices.shape[-1]
     idx, logq = indices.reshape(-1, k).long(), logprobs.reshape(-1, k)
     outside = (idx < -1) | (idx >= vocab)
     unused_mass = (idx == -1) & (logq > float("-inf"))
     ids, twice = repeated(idx, idx >= 0)
-    rest_flat = rest.reshape(-1)
-    mass = torch.logaddexp(torch.logsumexp(logq.float(), -1), rest_flat.float())
-    excess = mass > _MASS_SLACK
+    mass = torch.logaddexp(torch.logsumexp(logq.float(), -1), rest.reshape(-1).float())
+    excess = (mass > _MASS_SLACK) & masses
     bad = outside.any(-1) | unused_mass.any(-1) | twice.any(-1) | excess
     if not bool(bad.any()):  # valid on every row: whatever rows a later call keeps
-        mark_checked(teacher)
+        mark_checked(teacher, None, masses)
         return
     if keep is not None:
         bad &= keep.reshape(-1).to(bad.device)
         if not bool(bad.any()):
-            mark_checked(teacher, keep)
+            mark_checked(teacher, keep, masses)
             return
     row = int(bad.nonzero()[0, 0])
     at = tuple(int(i) for i in torch.unravel_index(torch.tensor(row), indices.shape[:-1]))
@@ -209,10 +211,12 @@ def _versions(teacher, keep):
         return None
 
 
-def mark_checked(teacher, keep=None) -> None:
+def mark_checked(teacher, keep=None, masses: bool = True) -> None:
     """Record that ``teacher`` holds valid values on the rows ``keep`` keeps (None: all rows),
-    so that :func:`sparse_teacher` need not read them again while they are unchanged."""
-    teacher.__dict__["_checked"] = _versions(teacher, keep)
+    its masses included where ``masses``, so that :func:`sparse_teacher` need not read them
+    again while they are unchanged."""
+    seen = _versions(teacher, keep)
+    teacher.__dict__["_checked"] = None if seen is None else (*seen, masses)
 
 
 def _same(a, b) -> bool:
@@ -220,13 +224,13 @@ def _same(a, b) -> bool:
     return a[0] is b[0] and a[1] == b[1]
 
 
-def _checked(teacher, keep) -> bool:
+def _checked(teacher, keep, masses: bool = True) -> bool:
     """Whether :func:`mark_checked` recorded ``teacher`` as it is now, on every row or on the
-    rows ``keep`` keeps."""
+    rows ``keep`` keeps, its masses included where ``masses``."""
     seen, now = teacher.__dict__.get("_checked"), _versions(teacher, keep)
-    if seen is None or now is None:
+    if seen is None or now is None or (masses and not seen[-1]):
         return False
-    *tensors, vocab, kept = seen
+    *tensors, vocab, kept, _ = seen
     *tensors_now, vocab_now, keep_now = now
     if vocab != vocab_now or not all(map(_same, tensors, tensors_now)):
         return False

@@ -203,7 +203,8 @@ def _sparse_teacher(student_tensors, teacher, options, names, lead, x, mask, lab
                          "selected (pass top_p to select_topk)")
     _checks.integer_tensor("SparseTeacher.indices", teacher.indices)
     _checks.same_leading(names["student"], lead, "teacher", teacher.indices.shape[:-1])
-    _checks.sparse_teacher(teacher, _checks.teacher_mask(mask, teacher, lead))
+    _checks.sparse_teacher(teacher, _checks.teacher_mask(mask, teacher, lead),
+                           masses=options.normalize == "full")
     return _rows_teacher(student_tensors, teacher, sparse_tensors(teacher, lead.numel()), options,
                          names, lead, x, mask, labels, shards, one_pass, owner)
 
@@ -294,7 +295,7 @@ def check_inputs(student: tuple, teacher, options: KDOptions, mask, labels) -> N
         if isinstance(teacher, SampledTeacher):
             _checks.sampled_teacher(teacher, keep)
         else:
-            _checks.sparse_teacher(teacher, keep)
+            _checks.sparse_teacher(teacher, keep, masses=options.normalize == "full")
     else:
         _teacher_input(teacher, lead, True, names)
     flat = _checks.labels(labels, lead, hidden.device)
@@ -368,32 +369,13 @@ def _teacher_input(teacher, lead_shape, fused: bool, names: dict):
     )
 
 
-def _shared_options(options: KDOptions) -> str:
-    """The options every rank of a group must share, as text alike in every process: all
-    that differ from their defaults but the group, ``impl`` (the kernels it chose are compared
-    as such) and ``return_components``. (``k``, ``temperature``, ``vocab_size`` or
-    ``chunk_bytes`` differing across ranks gave a silently wrong loss, or a collective
-    aborted or waited.) A divergence without a ``repr`` of its own is named by its class and
-    attributes (the default ``repr`` holds an address)."""
-    def text(value):
-        if type(value).__repr__ is object.__repr__:
-            return f"{type(value).__qualname__}{sorted(vars(value).items())}"
-        return repr(value)
-
-    given = options.given()
-    for name in ("process_group", "impl", "return_components"):
-        given.pop(name, None)
-    return ", ".join(f"{name}={text(value)}" for name, value in sorted(given.items())) or "defaults"
-
-
 def _exchange(options: KDOptions, widths: dict, n: int, device, shards, backend):
     """This rank's shard of each tensor in ``widths``: exchanged here (with ``backend``, which
     every rank must share), or the caller's; then the backend must be one that can run
     (:func:`topkd.backends.ready`)."""
     if shards is None:
-        same = {**backends.across_ranks(backend),
-                "the loss options": (_shared_options(options), ())}
-        shards = parallel.exchange_shards(options.process_group, widths, n, device, same=same)
+        shards = parallel.exchange_shards(options.process_group, widths, n, device,
+                                          same=backends.across_ranks(backend, options))
         backends.ready(backend)
         return shards
     backends.ready(backend)
@@ -418,9 +400,10 @@ def sparse_tensors(teacher: SparseTeacher, n: int) -> dict:
     k, indices = teacher.k, teacher.indices
     if indices.dtype not in (torch.int32, torch.int64):  # (gather takes no narrower index)
         indices = indices.long()
-    return dict(zip(_SPARSE_NAMES, (indices.reshape(n, k),
-                                    teacher.logprobs.float().reshape(n, k),
-                                    teacher.rest_logprob.float().reshape(n)), strict=True))
+    logq, rest = (t.float() if t.dtype == torch.float64 else t  # (the loss is float32)
+                  for t in (teacher.logprobs, teacher.rest_logprob))
+    return dict(zip(_SPARSE_NAMES, (indices.reshape(n, k), logq.reshape(n, k), rest.reshape(n)),
+                    strict=True))
 
 
 def _objective(options: KDOptions, labels, lead_shape, device):

@@ -281,7 +281,7 @@ def _vocab_parallel(run, mesh, divide, hidden, weight, bias, teacher, options, m
                      keep=keep, weights=all_weights)
     teacher = _teacher_rows(teacher, mesh, group, rows, n)
     if isinstance(teacher, SparseTeacher):  # each rank checked its rows (check_inputs)
-        _checks.mark_checked(teacher, all_keep)
+        _checks.mark_checked(teacher, all_keep, options.normalize == "full")
     return run(head, teacher, options.replace(process_group=group), mask=all_keep,
                labels=all_labels, owner=owner)
 

@@ -155,15 +155,22 @@ def test_bad_sparse_teacher(name, teacher, error, match):
 
 
 def test_sparse_teacher_mass_within_rounding():
-    """A row whose masses sum to 1 within a float16 store's rounding (+3e-4), or to less (its
-    rest left out, for normalize="topk"), is taken."""
+    """A row whose masses sum to 1 within a rounded store's error (+3%), or to less (its rest
+    left out), is taken; under normalize="topk", which renormalizes the kept log-probs, so is
+    one of any mass (top-K logits given as log-probs: the normalized teacher's loss)."""
     ok = _teacher()
     s = torch.randn(3, V)
     same = dict(indices=ok.indices, logprobs=ok.logprobs, rest_logprob=ok.rest_logprob)
-    over = _teacher(**{**same, "logprobs": ok.logprobs + math.log1p(3e-4)})
+    over = _teacher(**{**same, "logprobs": ok.logprobs + math.log1p(3e-2)})
     short = _teacher(**{**same, "rest_logprob": torch.full((3,), -math.inf)})
     for teacher in (over, short):
-        assert torch.isfinite(topkd.sparse_kl_loss(s, teacher, normalize="topk")).all()
+        assert torch.isfinite(topkd.sparse_kl_loss(s, teacher)).all()
+    raw = _teacher(**{**same, "logprobs": ok.logprobs + 7.0,
+                      "rest_logprob": torch.full((3,), -math.inf)})
+    torch.testing.assert_close(topkd.sparse_kl_loss(s, raw, normalize="topk"),
+                               topkd.sparse_kl_loss(s, ok, normalize="topk"))
+    with pytest.raises(ValueError, match="at most the whole mass"):  # checked once "full"
+        topkd.sparse_kl_loss(s, raw)
 
 
 def test_sparse_teacher_narrow_and_wide_dtypes():
