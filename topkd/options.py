@@ -129,6 +129,25 @@ class KDOptions:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
+    def across_ranks(self) -> str:
+        """The options every rank of a tensor-parallel group must share, as text alike in every
+        process: all that differ from their defaults but the group, ``impl`` (the kernels it
+        chose are compared as such) and ``return_components``. (``k``, ``temperature``,
+        ``vocab_size`` or ``chunk_bytes`` differing across ranks gave a silently wrong loss,
+        or a collective aborted or waited.) A value without a ``repr`` of its own (a user's
+        divergence) is named by its class and attributes: the default ``repr`` holds an
+        address."""
+        def text(value):
+            if type(value).__repr__ is object.__repr__:
+                return f"{type(value).__qualname__}{sorted(vars(value).items())}"
+            return repr(value)
+
+        given = self.given()
+        for name in ("process_group", "impl", "return_components"):
+            given.pop(name, None)
+        return ", ".join(f"{name}={text(value)}" for name, value in sorted(given.items())) \
+            or "defaults"
+
     def given(self) -> dict:
         """The options that differ from their defaults (what a ``repr`` shows)."""
         default = KDOptions()

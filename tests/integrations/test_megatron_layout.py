@@ -61,6 +61,10 @@ def test_one_exchange_per_call_and_the_plain_loss(case, exchanges):
         want = topkd.fused_kl_loss(hidden, weight, t, **opts)
     assert len(exchanges) == 2  # one for the Megatron call, one for the plain call
     eager = topkd.backends.across_ranks(topkd.backends.EAGER)
-    assert [same for _, same in exchanges] == [eager, eager]  # each carries the kernels
+    kernels = "the loss kernels (impl)"
+    # each carries the kernels, and the options, the same text in both
+    assert [same[kernels] for _, same in exchanges] == [eager[kernels]] * 2
+    options = [same["the loss options"][0] for _, same in exchanges]
+    assert options[0] == options[1] and "temperature=2.0" in options[0], options
     assert got.shape == (B, S) and got.is_contiguous()
     torch.testing.assert_close(got, want.transpose(0, 1), rtol=0, atol=0)

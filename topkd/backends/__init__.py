@@ -80,13 +80,17 @@ def choose(impl: str, device: torch.device, group=None) -> Backend:
     return EAGER
 
 
-def across_ranks(backend: Backend) -> dict:
+def across_ranks(backend: Backend, options=None) -> dict:
     """:func:`topkd.parallel.exchange_shards`'s ``same`` for a call that runs ``backend``:
     every rank of a group must run the same kernels (their chunk heights, and so the
     collectives per chunk, differ), whatever chose them (``impl``, ``$TOPKD_IMPL``, a
-    compiler missing on one machine)."""
-    return {"the loss kernels (impl)": (backend.name,
+    compiler missing on one machine), and with ``options`` (a :class:`~topkd.KDOptions`)
+    the same loss options (:meth:`~topkd.KDOptions.across_ranks`)."""
+    same = {"the loss kernels (impl)": (backend.name,
                                         (EAGER.name, COMPILED.name, Unavailable.name))}
+    if options is not None:
+        same["the loss options"] = (options.across_ranks(), ())
+    return same
 
 
 def ready(backend: Backend) -> Backend:

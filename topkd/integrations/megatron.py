@@ -159,7 +159,7 @@ def check_widths(layout: VocabLayout, shards: dict, tp: int) -> None:
                 f"tensor-parallel ranks' {name} hold {shard.total} columns in all")
 
 
-def prepare(model_config, student_logits, teacher_logits, vocab_size: int | None, impl: str):
+def prepare(model_config, student_logits, teacher_logits, options: KDOptions):
     """Checked ``(student [s, b, V_r], teacher [s, b, V_r], group, vocab_size, shards)`` for
     :func:`topkd.distill_loss`. The checks that need every rank's widths run on the same
     gathered numbers on all ranks (the loss's one exchange of them), so a bad input raises
@@ -170,21 +170,21 @@ def prepare(model_config, student_logits, teacher_logits, vocab_size: int | None
         raise ValueError(f"student and teacher logits must share [s, b], got shapes "
                          f"{tuple(student.shape)} and {tuple(teacher.shape)}")
     check_sequence(model_config, "student logits", student.shape)
-    layout = vocab_layout(model_config, vocab_size)
+    layout = vocab_layout(model_config, options.vocab_size)
     group = tensor_parallel_group(model_config)
     shards = parallel.exchange_shards(group, {"student logits": student.shape[-1],
                                               "teacher logits": teacher.shape[-1]},
                                       student.shape[:2].numel(), student.device,
-                                      same=kernels(impl, student.device, group))
+                                      same=kernels(options, student.device, group))
     check_widths(layout, shards, tensor_parallel_size(model_config))
     return student, teacher, group, layout.vocab_size, _loss_shards(shards)
 
 
-def kernels(impl: str, device, group) -> dict:
-    """:func:`topkd.parallel.exchange_shards`'s ``same`` for a loss with ``impl`` on
+def kernels(options: KDOptions, device, group) -> dict:
+    """:func:`topkd.parallel.exchange_shards`'s ``same`` for a loss with ``options`` on
     ``device`` in ``group``: every rank must run the same kernels (a compiler missing here
-    raises in the loss, after the exchange, on every rank)."""
-    return backends.across_ranks(backends.choose(impl, device, group))
+    raises in the loss, after the exchange, on every rank) and the same options."""
+    return backends.across_ranks(backends.choose(options.impl, device, group), options)
 
 
 def _loss_shards(shards: dict) -> dict:
@@ -231,8 +231,7 @@ def topk_kl_loss(student_logits, teacher_logits, k: int, *, model_config,
     """
     options = KDOptions.of(options, allowed=TOPK_OPTIONS, k=_checks.integer("k", k, 1))
     student, teacher, group, vocab, shards = prepare(model_config, student_logits,
-                                                     teacher_logits, options.vocab_size,
-                                                     options.impl)
+                                                     teacher_logits, options)
     options = options.replace(vocab_size=vocab, process_group=group)
     return _sequence_loss(student, teacher, options, shards)
 
@@ -242,8 +241,7 @@ def kl_loss(student_logits, teacher_logits, *, model_config, **options) -> torch
     as in :func:`topk_kl_loss`."""
     options = KDOptions.of(options, allowed=KL_OPTIONS)
     student, teacher, group, vocab, shards = prepare(model_config, student_logits,
-                                                     teacher_logits, options.vocab_size,
-                                                     options.impl)
+                                                     teacher_logits, options)
     options = options.replace(vocab_size=vocab, process_group=group)
     return _sequence_loss(student, teacher, options, shards)
 
@@ -295,7 +293,7 @@ def sparse_kl_loss(student_logits, teacher: SparseTeacher, *, model_config,
     group = tensor_parallel_group(model_config)
     shards = parallel.exchange_shards(group, {"student logits": student.shape[-1]},
                                       student.shape[:2].numel(), student.device,
-                                      same=kernels(options.impl, student.device, group))
+                                      same=kernels(options, student.device, group))
     check_widths(layout, shards, tensor_parallel_size(model_config))
     vocab = teacher.vocab_size if layout.vocab_size is None else layout.vocab_size
     options = options.replace(vocab_size=vocab, process_group=group)

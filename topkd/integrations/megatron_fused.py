@@ -120,7 +120,7 @@ def _teacher(teacher, seq_batch, tp):
     return logits, logits.shape[-1], False
 
 
-def _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel, vocab_size, impl):
+def _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel, options):
     """``(hidden [s, b, H], reduce_hidden_grad, teacher, group, vocab_size, shards)`` for
     :func:`topkd.distill_loss`. Every check runs before the first gather, on this rank's shapes
     or on numbers gathered from all ranks (the loss's one exchange of them), so a bad input
@@ -140,12 +140,12 @@ def _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel, voc
     seq_batch = (hidden.shape[0] * (tp if sequence_parallel else 1), hidden.shape[1])
     teacher, teacher_width, gather_teacher = _teacher(teacher, seq_batch, tp)
     megatron.check_sequence(model_config, "student hidden states", (*seq_batch, hidden.shape[-1]))
-    layout = megatron.vocab_layout(model_config, vocab_size)
+    layout = megatron.vocab_layout(model_config, options.vocab_size)
     widths = {"student weight rows": weight.shape[0]}
     if teacher_width is not None:
         widths["teacher logits"] = teacher_width
     shards = parallel.exchange_shards(group, widths, seq_batch[0] * seq_batch[1], hidden.device,
-                                      same=megatron.kernels(impl, hidden.device, group))
+                                      same=megatron.kernels(options, hidden.device, group))
     megatron.check_widths(layout, shards, tp)
     vocab = layout.vocab_size
     if vocab is None and isinstance(teacher, SparseTeacher):
@@ -210,7 +210,7 @@ def fused_topk_kl_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher, k: i
     """
     options = KDOptions.of(options, allowed=megatron.TOPK_OPTIONS, k=k)
     prepared = _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel,
-                        options.vocab_size, options.impl)
+                        options)
     return _sequence_loss(weight, bias, options, prepared, topk=True)
 
 
@@ -226,7 +226,7 @@ def fused_kl_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher, *, model_
                         "the teacher's output-layer inputs; use fused_topk_kl_loss for a "
                         "SparseTeacher")
     prepared = _prepare(model_config, hidden, weight, bias, teacher, sequence_parallel,
-                        options.vocab_size, options.impl)
+                        options)
     return _sequence_loss(weight, bias, options, prepared, topk=False)
 
 
