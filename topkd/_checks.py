@@ -139,11 +139,11 @@ def sparse_teacher(teacher, keep=None, masses: bool = True) -> None:
     at the unused slots (-1), and with ``masses`` (a loss that takes the log-probs as they
     are: ``normalize="full"``; ``"topk"`` renormalizes them) masses, kept and rest, summing
     to at most 1 (+5%, for rounded stores; raw logits given as log-probs sum far past it).
-    Out of range, an index
-    would be dropped or give inf; twice, its mass would count twice: a wrong number. A
-    teacher checked before (or made by :func:`topkd.select_topk`) and unchanged since (its
-    tensors' in-place versions) is not read again: one valid on every row, whatever
-    ``keep``; one valid on kept rows only, while ``keep`` is the same unchanged tensor."""
+    Out of range, an index would be dropped or give inf; twice, its mass would count twice:
+    a wrong number. A teacher checked before (or made by :func:`topkd.select_topk`) and
+    unchanged since (its tensors' in-place versions) is not read again: one valid on every
+    row, whatever ``keep``; one valid on kept rows only, while ``keep`` is the same unchanged
+    tensor."""
     indices, logprobs, rest = teacher.indices, teacher.logprobs, teacher.rest_logprob
     integer_tensor("SparseTeacher.indices", indices)
     for name, t in (("logprobs", logprobs), ("rest_logprob", rest)):
@@ -346,9 +346,8 @@ def repeated(indices: torch.Tensor, used: torch.Tensor):
 def sampled_teacher(teacher, keep=None) -> None:
     """A :class:`~topkd.SampledTeacher`'s tensors: shapes, dtypes, its temperature, and on the
     rows a loss keeps (``keep``: bool with the leading shape, or None for the rows of the
-    teacher's own ``mask``), distinct ids
-    with counts summing to ``samples`` (or to 0: a row of no draws, which contributes nothing)
-    (one host sync)."""
+    teacher's own ``mask``), distinct ids with counts summing to ``samples`` (or to 0: a row
+    of no draws, which contributes nothing) (one host sync)."""
     indices, counts = teacher.indices, teacher.counts
     integer("samples", teacher.samples, 1)
     temperature(teacher.temperature, "SampledTeacher.temperature")

@@ -86,8 +86,8 @@ def across_ranks(backend: Backend, options=None) -> dict:
     collectives per chunk, differ), whatever chose them (``impl``, ``$TOPKD_IMPL``, a
     compiler missing on one machine), and with ``options`` (a :class:`~topkd.KDOptions`)
     the same loss options (:meth:`~topkd.KDOptions.across_ranks`)."""
-    same = {"the loss kernels (impl)": (backend.name,
-                                        (EAGER.name, COMPILED.name, Unavailable.name))}
+    kernels = (backend.name, (EAGER.name, COMPILED.name, Unavailable.name))
+    same = {"the loss kernels (impl)": kernels}
     if options is not None:
         same["the loss options"] = (options.across_ranks(), ())
     return same
