@@ -132,6 +132,18 @@ def integer_tensor(name: str, value) -> None:
                         f"{getattr(value, 'dtype', type(value).__name__)}")
 
 
+def floating_tensor(name: str, value) -> None:
+    """``value`` is a tensor of a floating-point dtype."""
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got "
+                        f"{getattr(value, 'dtype', type(value).__name__)}")
+
+
+def _row_at(flat: int, lead_shape) -> tuple[int, ...]:
+    """The position in ``lead_shape`` of row ``flat`` of its flattened rows."""
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(lead_shape)))
+
+
 def sparse_teacher(teacher, keep=None, masses: bool = True) -> None:
     """A :class:`~topkd.SparseTeacher`'s tensors: their dtypes and shapes, then, on the rows a
     loss keeps (``keep``: bool with the leading shape, or None for all), their values (one
@@ -146,10 +158,8 @@ def sparse_teacher(teacher, keep=None, masses: bool = True) -> None:
     tensor."""
     indices, logprobs, rest = teacher.indices, teacher.logprobs, teacher.rest_logprob
     integer_tensor("SparseTeacher.indices", indices)
-    for name, t in (("logprobs", logprobs), ("rest_logprob", rest)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            raise TypeError(f"SparseTeacher.{name} must be a floating-point tensor, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    floating_tensor("SparseTeacher.logprobs", logprobs)
+    floating_tensor("SparseTeacher.rest_logprob", rest)
     if indices.dim() < 1 or logprobs.shape != indices.shape:
         raise ValueError(f"SparseTeacher.logprobs must have indices' shape [..., K] "
                          f"{tuple(indices.shape)}, got {tuple(logprobs.shape)}")
@@ -168,9 +178,10 @@ def sparse_teacher(teacher, keep=None, masses: bool = True) -> None:
     outside = (idx < -1) | (idx >= vocab)
     unused_mass = (idx == -1) & (logq > float("-inf"))
     ids, twice = repeated(idx, idx >= 0)
-    mass = torch.logaddexp(torch.logsumexp(logq.float(), -1), rest.reshape(-1).float())
-    excess = (mass > _MASS_SLACK) & masses
-    bad = outside.any(-1) | unused_mass.any(-1) | twice.any(-1) | excess
+    bad = outside.any(-1) | unused_mass.any(-1) | twice.any(-1)
+    if masses:
+        mass = torch.logaddexp(torch.logsumexp(logq.float(), -1), rest.reshape(-1).float())
+        bad |= mass > _MASS_SLACK
     if not bool(bad.any()):  # valid on every row: whatever rows a later call keeps
         mark_checked(teacher, None, masses)
         return
@@ -180,7 +191,7 @@ def sparse_teacher(teacher, keep=None, masses: bool = True) -> None:
             mark_checked(teacher, keep, masses)
             return
     row = int(bad.nonzero()[0, 0])
-    at = tuple(int(i) for i in torch.unravel_index(torch.tensor(row), indices.shape[:-1]))
+    at = _row_at(row, indices.shape[:-1])
     if outside[row].any():
         seen = int(idx[row][outside[row]][0])
         raise ValueError(f"SparseTeacher.indices must lie in [-1, vocab_size={vocab}) (-1: an "
@@ -189,7 +200,7 @@ def sparse_teacher(teacher, keep=None, masses: bool = True) -> None:
         seen = int(ids[row, 1:][twice[row]][0])
         raise ValueError(f"SparseTeacher.indices must hold each vocabulary index at most once "
                          f"per row; row {at} holds {seen} more than once")
-    if excess[row]:
+    if masses and mass[row] > _MASS_SLACK:
         raise ValueError(f"SparseTeacher.logprobs and rest_logprob must be log-probabilities "
                          f"of at most the whole mass (a row's kept masses and rest sum to 1, "
                          f"or less where the rest is left out); row {at} sums to "
@@ -357,10 +368,7 @@ def sampled_teacher(teacher, keep=None) -> None:
         raise ValueError(f"SampledTeacher.counts must have indices' shape "
                          f"{tuple(indices.shape)}, got {tuple(counts.shape)}")
     if teacher.logprobs is not None:
-        if (not isinstance(teacher.logprobs, torch.Tensor)
-                or not teacher.logprobs.dtype.is_floating_point):
-            raise TypeError(f"SampledTeacher.logprobs must be a floating-point tensor or None, "
-                            f"got {getattr(teacher.logprobs, 'dtype', type(teacher.logprobs))}")
+        floating_tensor("SampledTeacher.logprobs", teacher.logprobs)
         if teacher.logprobs.shape != indices.shape:
             raise ValueError(f"SampledTeacher.logprobs must have indices' shape "
                              f"{tuple(indices.shape)}, got {tuple(teacher.logprobs.shape)}")
@@ -375,8 +383,7 @@ def sampled_teacher(teacher, keep=None) -> None:
     if keep is not None:
         bad = bad & keep.to(bad.device)
     if bool(bad.any()):
-        flat = int(bad.reshape(-1).nonzero()[0, 0])
-        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))
+        at = _row_at(int(bad.reshape(-1).nonzero()[0, 0]), bad.shape)
         raise ValueError(f"SampledTeacher: every row must hold distinct ids in [0, "
                          f"{teacher.vocab_size}) with counts >= 0 summing to samples="
                          f"{teacher.samples} (use topkd.sample_teacher); row {at} holds ids "

@@ -300,23 +300,17 @@ class TeacherStoreWriter:
             raise TypeError(f"teacher must be a topkd.SparseTeacher, got "
                             f"{type(teacher).__name__}")
         self._check_settings(sample_id, teacher, "k")
-        try:  # what a loss would refuse (dtypes, shapes, indices, unused slots' mass)
+        try:  # what a loss would refuse (dtypes, shapes, indices, unused slots' mass, masses)
             _checks.sparse_teacher(teacher)
         except (TypeError, ValueError) as e:
             raise type(e)(f"sample {sample_id!r}: {e}") from None
         s = self.settings
-        if tuple(teacher.indices.shape) != (length, s["k"]):
+        if tuple(teacher.indices.shape) != (length, s["k"]):  # (logprobs, rest: checked alike)
             raise ValueError(f"sample {sample_id!r}: teacher.indices must be [{length}, "
                              f"{s['k']}] (one row per token), got {tuple(teacher.indices.shape)}")
         indices = teacher.indices.detach().cpu()
         logprobs = teacher.logprobs.detach().cpu().float()
         rest = teacher.rest_logprob.detach().cpu().float()
-        if tuple(logprobs.shape) != tuple(indices.shape):
-            raise ValueError(f"sample {sample_id!r}: teacher.logprobs has shape "
-                             f"{tuple(logprobs.shape)}, indices {tuple(indices.shape)}")
-        if tuple(rest.shape) != (length,):
-            raise ValueError(f"sample {sample_id!r}: teacher.rest_logprob must be [{length}], "
-                             f"got {tuple(rest.shape)}")
         used = indices >= 0
         counts = used.sum(-1)
         # Unused slots (-1) may only end a row: they are what top-p dropped.
